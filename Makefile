@@ -1,0 +1,45 @@
+# Set-up and checks. `make demo` and `make test` each create .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint format docs bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing below can pull a different (multi-GB) build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/train_tiny_transformer.py --save demo_output/tiny
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests examples benchmarks
+	$(VENV)/bin/ruff format src tests examples benchmarks
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+docs: $(STAMP)
+	$(PY) -m rapidformer.config.docs docs/parameters.md
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/activation_memory.py
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,349 @@
+"""Trainer overhead: rapidformer's ``Trainer.fit()`` against a hand-written PyTorch loop.
+
+Both sides train the same TinyTransformerLM on the same Markov corpus with the same fused
+AdamW (two parameter groups), constant learning rate, clipping at 1.0, fp32, one process, no
+gradient accumulation. Runs are interleaved (trainer, hand, trainer, hand, ...) in this one
+process after one discarded warm-up run of each, so that drift in machine load (other jobs on
+the same two cores) hits both sides alike.
+
+What is timed (the headline "samples/s"): the training steps only.
+  * hand loop: from just before the first batch is drawn to after the last optimizer step;
+  * Trainer:   from the end of ``build_lr_scheduler`` (the last set-up hook ``fit()`` calls,
+    once the model, optimizer and data loaders exist) to the return of ``fit()``. The few
+    set-up lines after that hook (logging the plan, the resume check, creating the metrics
+    logger) and the teardown (closing the logger) are charged to the Trainer, which can only
+    make it look slower.
+The Trainer runs without ``--save`` (nothing written to disk) and with a ``--log-interval``
+larger than the run, so the only log line inside the timed region is the one ``fit()`` always
+writes at the last step. The wall time of each whole run, set-up included, is reported too.
+
+    .venv/bin/python benchmarks/overhead.py            # full run, writes the result files
+    .venv/bin/python benchmarks/overhead.py --quick    # smoke test, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader, Dataset
+
+from rapidformer import DataBundle, Trainer
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_JSON = ROOT / "benchmarks" / "results" / "overhead.json"
+RESULTS_MD = ROOT / "docs" / "results" / "overhead.md"
+
+# A small model on purpose: the Trainer's cost is a fixed amount of Python per step, so the
+# cheaper the step, the larger its share. ~20 ms per step on two cores.
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 64, 128, 2, 4, 64
+MICRO_BATCH = 16
+NUM_SAMPLES = 2048  # a multiple of MICRO_BATCH: every batch is full on both sides
+# Every sample is SEQ tokens long, so every batch has the same shape on both sides. With
+# variable lengths, each side's (different) shuffle pads its batches to different lengths
+# and the two would not do the same amount of work.
+LR, WEIGHT_DECAY, CLIP, SEED = 1e-3, 0.01, 1.0, 1234
+LAST_N = 20  # steps whose mean loss is compared (a single step's loss is noisy)
+
+
+@dataclass
+class RunResult:
+    runner: str
+    steps: int
+    samples: int
+    tokens: int
+    """Input positions fed to the model (padding included): equal on both sides."""
+    loop_s: float
+    """Seconds spent in the training steps (see the module docstring)."""
+    total_s: float
+    """Seconds for the whole run, set-up (model, optimizer, loaders) included."""
+    final_loss: float
+    mean_last_loss: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.loop_s
+
+
+def make_model() -> nn.Module:
+    # dropout 0: both sides then compute the same function, with no RNG draws in the step.
+    return TinyTransformerLM(VOCAB, HIDDEN, LAYERS, HEADS, max_positions=SEQ, dropout=0.0)
+
+
+def summarize(
+    runner: str, steps: int, tokens: int, loop_s: float, total_s: float, losses: list[torch.Tensor]
+) -> RunResult:
+    values = torch.stack(losses).tolist()
+    return RunResult(
+        runner,
+        steps,
+        steps * MICRO_BATCH,
+        tokens,
+        loop_s,
+        total_s,
+        values[-1],
+        statistics.fmean(values[-LAST_N:]),
+    )
+
+
+# ---- side A: the rapidformer Trainer -----------------------------------------------------
+class BenchTrainer(Trainer):
+    """The three hooks a user writes, plus a timestamp at the end of set-up."""
+
+    def __init__(self, dataset: Dataset, argv: list[str]) -> None:
+        super().__init__(argv=argv)
+        self.dataset = dataset
+        self.losses: list[torch.Tensor] = []
+        self.tokens = 0
+        self.setup_done = 0.0
+
+    def build_model(self) -> nn.Module:
+        return make_model()
+
+    def build_data(self) -> DataBundle:
+        # The corpus is built once outside the timed runs and shared by both sides.
+        return DataBundle(train=self.dataset, collate_fn=pad_collate)
+
+    def build_lr_scheduler(self, optimizer: Optimizer, total_steps: int) -> LRScheduler:
+        scheduler = super().build_lr_scheduler(optimizer, total_steps)
+        self.setup_done = time.perf_counter()
+        return scheduler
+
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        assert self.model is not None
+        output = lm_loss(self.model, batch)
+        # Bookkeeping the hand loop does identically: keep the loss, count the positions.
+        self.losses.append(output["loss"].detach())
+        self.tokens += batch["input_ids"].numel()
+        return output
+
+
+def trainer_argv(steps: int) -> list[str]:
+    return [
+        "--train-iters", str(steps), "--micro-batch-size", str(MICRO_BATCH),
+        "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", str(WEIGHT_DECAY),
+        "--clip-grad", str(CLIP), "--seed", str(SEED),
+        "--log-interval", str(10 * steps),  # only the final-step line is logged
+        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+        "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+        "--max-position-embeddings", str(SEQ),
+    ]  # fmt: skip
+
+
+def run_trainer(dataset: Dataset, steps: int) -> RunResult:
+    # Parsing flags and creating the engine happen before fit() and are not timed.
+    trainer = BenchTrainer(dataset, trainer_argv(steps))
+    start = time.perf_counter()
+    trainer.fit()
+    end = time.perf_counter()
+    trainer.engine.close()
+    return summarize(
+        "trainer", steps, trainer.tokens, end - trainer.setup_done, end - start, trainer.losses
+    )
+
+
+# ---- side B: the hand-written loop -------------------------------------------------------
+def run_hand(dataset: Dataset, steps: int) -> RunResult:
+    start = time.perf_counter()
+    torch.manual_seed(SEED)  # fit() seeds the same way before build_model: same initial weights
+    model = make_model()
+    # The Trainer's groups: decay on matrices and embeddings, none on biases and norm weights.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=LR,
+        fused=True,
+    )
+    # A constant learning rate needs no scheduler object in a hand-written loop.
+    loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True, collate_fn=pad_collate)
+    losses: list[torch.Tensor] = []
+    tokens = 0
+    model.train()
+    loop_start = time.perf_counter()
+    step = 0
+    while step < steps:  # several epochs if steps asks for more than one
+        for batch in loader:
+            loss = lm_loss(model, batch)["loss"]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            tokens += batch["input_ids"].numel()
+            step += 1
+            if step == steps:
+                break
+    end = time.perf_counter()
+    return summarize("hand", steps, tokens, end - loop_start, end - start, losses)
+
+
+# ---- reporting ---------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def side_summary(runs: list[RunResult]) -> dict[str, Any]:
+    rates = [r.samples_per_s for r in runs]
+    return {
+        "median_samples_per_s": statistics.median(rates),
+        "min_samples_per_s": min(rates),
+        "max_samples_per_s": max(rates),
+        "median_total_s": statistics.median(r.total_s for r in runs),
+        "tokens_per_run": sorted({r.tokens for r in runs}),
+        "final_loss": [r.final_loss for r in runs],
+        "mean_last_loss": [r.mean_last_loss for r in runs],
+        "runs": [asdict(r) | {"samples_per_s": r.samples_per_s} for r in runs],
+    }
+
+
+def write_markdown(result: dict[str, Any]) -> None:
+    trainer, hand = result["trainer"], result["hand"]
+    machine = result["machine"]
+    lines = [
+        "# Trainer overhead",
+        "",
+        "rapidformer's `Trainer.fit()` against a hand-written PyTorch loop doing the same work "
+        f"(TinyTransformerLM hidden {HIDDEN}, {LAYERS} layers, micro batch = global batch "
+        f"{MICRO_BATCH}, sequences of {SEQ} tokens, fused AdamW, clip 1.0, constant LR, "
+        f"fp32, one process), {result['steps']} steps per run, {result['pairs']} interleaved "
+        "pairs after one warm-up run of each. samples/s counts the training steps only; "
+        "see `benchmarks/overhead.py` for exactly what each side's clock covers.",
+        "",
+        "| runner | median samples/s | min | max | median run incl. set-up (s) "
+        f"| median loss, last {LAST_N} steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, side in (("Trainer", trainer), ("hand loop", hand)):
+        lines.append(
+            f"| {name} | {side['median_samples_per_s']:.1f} | {side['min_samples_per_s']:.1f} "
+            f"| {side['max_samples_per_s']:.1f} | {side['median_total_s']:.2f} "
+            f"| {statistics.median(side['mean_last_loss']):.4f} |"
+        )
+    lines += [
+        "",
+        f"**Ratio trainer / hand (medians): {result['ratio']:.3f}** (target >= 0.97); "
+        f"median of the per-pair ratios: {result['median_pair_ratio']:.3f}; "
+        f"best run against best run: {result['best_ratio']:.3f}.",
+        "",
+        "The losses differ slightly because the two sides shuffle with different generators "
+        "(same initial weights, different batch order); each side's losses repeat exactly "
+        "from run to run.",
+        "",
+        f"- Machine: {machine['cpu_count']} CPU cores ({machine['cpu']}), "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch']}, "
+        f"Python {machine['python']}; load average {machine['loadavg_start']} at the start, "
+        f"{machine['loadavg_end']} at the end (other jobs shared the cores).",
+        f"- Date: {result['date']}",
+        f"- Reproduce: `{result['command']}`",
+        "",
+    ]
+    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_MD.write_text("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
+    parser.add_argument("--pairs", type=int, default=7, help="interleaved trainer/hand pairs")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test (30 steps, 2 pairs); prints, writes no files",
+    )
+    args = parser.parse_args()
+    steps, pairs = (30, 2) if args.quick else (args.steps, args.pairs)
+    if steps < LAST_N or pairs < 1:
+        parser.error(f"need --steps >= {LAST_N} and --pairs >= 1")
+
+    loadavg_start = os.getloadavg()
+    dataset = MarkovLMDataset(NUM_SAMPLES, VOCAB, SEQ, SEQ, seed=1)
+    # Warm-up: first-call costs (lazy imports, kernel selection, allocator growth) go here.
+    run_trainer(dataset, steps)
+    run_hand(dataset, steps)
+    runs: dict[str, list[RunResult]] = {"trainer": [], "hand": []}
+    for pair in range(pairs):
+        for runner in (run_trainer, run_hand):
+            result = runner(dataset, steps)
+            runs[result.runner].append(result)
+            print(
+                f"pair {pair + 1}/{pairs} {result.runner:7s} {result.samples_per_s:8.1f} "
+                f"samples/s  loop {result.loop_s:6.2f} s  total {result.total_s:6.2f} s  "
+                f"final loss {result.final_loss:.4f}  last-{LAST_N} mean "
+                f"{result.mean_last_loss:.4f}",
+                flush=True,
+            )
+
+    trainer, hand = side_summary(runs["trainer"]), side_summary(runs["hand"])
+    pair_ratios = [
+        t.samples_per_s / h.samples_per_s
+        for t, h in zip(runs["trainer"], runs["hand"], strict=True)
+    ]
+    result = {
+        "steps": steps,
+        "pairs": pairs,
+        "ratio": trainer["median_samples_per_s"] / hand["median_samples_per_s"],
+        "median_pair_ratio": statistics.median(pair_ratios),
+        # The fastest run of each side is the one least disturbed by other jobs.
+        "best_ratio": trainer["max_samples_per_s"] / hand["max_samples_per_s"],
+        "trainer": trainer,
+        "hand": hand,
+        "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
+                   "seq_length": SEQ, "micro_batch": MICRO_BATCH, "num_samples": NUM_SAMPLES,
+                   "lr": LR, "weight_decay": WEIGHT_DECAY, "clip": CLIP, "seed": SEED},
+        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version(),
+                    "loadavg_start": [round(x, 2) for x in loadavg_start],
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "benchmarks/overhead.py", *sys.argv[1:]]),
+    }  # fmt: skip
+    print(
+        f"trainer median {trainer['median_samples_per_s']:.1f} samples/s, hand median "
+        f"{hand['median_samples_per_s']:.1f} samples/s, ratio {result['ratio']:.3f} "
+        f"(per-pair median {result['median_pair_ratio']:.3f}, best/best {result['best_ratio']:.3f})"
+    )
+    print(
+        f"mean loss of the last {LAST_N} steps: trainer "
+        f"{statistics.median(trainer['mean_last_loss']):.4f}, hand "
+        f"{statistics.median(hand['mean_last_loss']):.4f}"
+    )
+    if trainer["tokens_per_run"] != hand["tokens_per_run"]:
+        print(
+            f"WARNING: unequal work: tokens per run {trainer['tokens_per_run']} (trainer) "
+            f"vs {hand['tokens_per_run']} (hand)"
+        )
+    if args.quick:
+        return
+    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_JSON.write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result)
+    print(f"wrote {RESULTS_JSON.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

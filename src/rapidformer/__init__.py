@@ -1,0 +1,9 @@
+"""rapidformer: train transformers fast by flipping switches."""
+
+from rapidformer.config import RapidformerConfig, parse_args
+from rapidformer.engine import RapidformerEngine
+from rapidformer.templates import DataBundle, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = ["DataBundle", "RapidformerConfig", "RapidformerEngine", "Trainer", "parse_args"]

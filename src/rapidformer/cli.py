@@ -1,0 +1,110 @@
+"""The black-box entry point: ``rapidformer [flags]`` or ``python -m rapidformer [flags]``.
+
+``--user-script FILE`` runs the Trainer subclass defined in FILE with the same flags; the
+built-in templates for ``--task pretraining`` and the fine-tuning tasks arrive with their
+issues and say so until then.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rapidformer.config.env import LaunchEnv
+from rapidformer.config.loading import parse_args
+from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import validate
+from rapidformer.errors import ConfigError, RapidformerError, Violation
+from rapidformer.logging import log, setup_console_logging
+from rapidformer.templates.trainer import Trainer
+
+_TEMPLATE_ISSUES = {
+    "pretraining": "the Pretrainer template (issue #3)",
+}
+_FINETUNE = "the Finetuner template (issue #4)"
+
+
+def load_trainer_class(script: str) -> type[Trainer]:
+    """The one concrete Trainer subclass defined in ``script``."""
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
+    spec = importlib.util.spec_from_file_location(f"rapidformer_user_script_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    found = [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj)
+        and issubclass(obj, Trainer)
+        and not inspect.isabstract(obj)
+        and obj.__module__ == module.__name__
+    ]
+    if len(found) != 1:
+        names = ", ".join(cls.__name__ for cls in found) or "none"
+        raise ConfigError.single(
+            "--user-script",
+            script,
+            f"must define exactly one concrete Trainer subclass (found: {names})",
+            "define one class that subclasses rapidformer.Trainer and implements its hooks",
+        )
+    return found[0]
+
+
+def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
+    script, task = config.training.user_script, config.training.task
+    if script is not None:
+        return load_trainer_class(script)
+    if task is None:
+        raise ConfigError.single(
+            "--task",
+            None,
+            "a black-box run needs a task",
+            "pass --task TASK, or --user-script FILE with your Trainer",
+        )
+    missing = _TEMPLATE_ISSUES.get(task, _FINETUNE)
+    raise ConfigError.single(
+        "--task",
+        task,
+        f"not available yet: {missing} has not landed in this version",
+        "run your own Trainer subclass with --user-script FILE",
+    )
+
+
+def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
+    """The Trainer class to run, after checking the flags: every problem at once."""
+    violations: list[Violation] = []
+    try:
+        validate(config, LaunchEnv.read().world_size, builds_optimizer=False)
+    except ConfigError as exc:
+        violations.extend(exc.violations)
+    try:
+        trainer_class = trainer_class_for(config)
+    except ConfigError as exc:
+        violations.extend(exc.violations)
+    if violations:
+        raise ConfigError(violations)
+    return trainer_class
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_console_logging()
+    try:
+        config = parse_args(argv)
+        trainer = checked_trainer_class(config)(config)
+        try:
+            metrics = trainer.fit()
+        finally:
+            trainer.engine.close()
+    except RapidformerError as exc:
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        return 2
+    if trainer.engine.is_main_process:
+        log.info("final metrics: %s", json.dumps(metrics))
+    return 0

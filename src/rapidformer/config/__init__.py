@@ -1,0 +1,37 @@
+"""The typed configuration, its loaders and its validation."""
+
+from rapidformer.config.loading import build_parser, load_file, parse_args
+from rapidformer.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    GraphConfig,
+    LoggingConfig,
+    MemoryConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RapidformerConfig,
+    TrainingConfig,
+)
+from rapidformer.config.validate import validate
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "GraphConfig",
+    "LoggingConfig",
+    "MemoryConfig",
+    "MoEConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RapidformerConfig",
+    "TrainingConfig",
+    "build_parser",
+    "load_file",
+    "parse_args",
+    "validate",
+]

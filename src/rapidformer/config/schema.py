@@ -1,0 +1,284 @@
+"""The typed configuration: one frozen dataclass per concern.
+
+Every field is one command-line flag: the flag is the field name with ``-`` for ``_``
+(``micro_batch_size`` -> ``--micro-batch-size``), so a flag is reachable exactly one way. The
+string under each field is its documentation; :mod:`rapidformer.config.fields` reads it to build
+the argument parser's help and ``docs/parameters.md``, so code, ``--help`` and docs cannot drift.
+
+Nothing here reads the environment or the world size: that is ``validate.py``'s job, at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+TokenizerType = Literal["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer"]
+DataImpl = Literal["lazy", "cached", "mmap", "infer"]
+DataIterator = Literal["dynamic-shape", "fixed-shape"]
+Task = Literal[
+    "sequence_classification",
+    "token_classification",
+    "question_answering",
+    "masked_lm",
+    "casual_lm",
+    "causal_lm",
+    "seq2seq_lm",
+    "pretraining",
+]
+DecayStyle = Literal["constant", "linear", "cosine"]
+Precision = Literal["fp32", "fp16", "bf16"]
+OptimizerName = Literal["apex_adam", "apex_lamb"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What is fed to the model and in which batch sizes."""
+
+    micro_batch_size: int = 1
+    """Samples one rank feeds one forward pass."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all data-parallel ranks; must be a multiple of
+    micro-batch-size x data-parallel size, the quotient being the gradient-accumulation steps.
+    Default: micro-batch-size x data-parallel size (no accumulation)."""
+    tokenizer_type: TokenizerType | None = None
+    """Tokenizer of the pretraining data."""
+    split: str = "969, 30, 1"
+    """Relative train, validation and test weights of the pretraining corpus, by document."""
+    data_impl: DataImpl = "mmap"
+    """How the indexed (.bin/.idx) pretraining data is read; infer detects it from the files."""
+    data_path: str | None = None
+    """Prefix of the indexed pretraining data, or a weighted blend "0.3 A 0.7 B"."""
+    data_dir: str | None = None
+    """Fine-tuning dataset: a dataset directory, a builder name, or a folder of files."""
+    data_name: str | None = None
+    """Fine-tuning dataset configuration or file name inside --data-dir."""
+    vocab_file: str | None = None
+    """Vocabulary file of the tokenizer (WordPiece vocab.txt or GPT-2 vocab.json)."""
+    merge_file: str | None = None
+    """BPE merges file of the GPT-2 tokenizer."""
+    data_iterator: DataIterator = "fixed-shape"
+    """fixed-shape: batches padded as the data's collate function pads them (the built-in
+    templates pad to --seq-length); dynamic-shape: batches grouped by length and padded to a
+    small set of length buckets."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which transformer to train and its shape."""
+
+    pretrained_model_name_or_path: str | None = None
+    """Directory (or hub name) of a pretrained Hugging Face model to fine-tune."""
+    num_layers: int | None = None
+    """Transformer layers of a model built from scratch."""
+    hidden_size: int | None = None
+    """Hidden dimension of a model built from scratch."""
+    num_attention_heads: int | None = None
+    """Attention heads per self-attention layer."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the position embeddings cover."""
+    seq_length: int | None = None
+    """Sequence length of the training samples."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The task, the schedule and how long to train."""
+
+    task: Task | None = None
+    """What the black-box CLI trains (causal_lm is accepted for the reference spelling
+    casual_lm)."""
+    lr: float | None = None
+    """Peak learning rate; required when rapidformer builds the optimizer."""
+    lr_decay_style: DecayStyle = "linear"
+    """Decay of the learning rate after warmup, down to --min-lr at the last step."""
+    lr_warmup_fraction: float | None = None
+    """Fraction of the training steps spent warming the learning rate up linearly from 0."""
+    lr_warmup_iters: int = 0
+    """Steps spent warming the learning rate up (alternative to --lr-warmup-fraction)."""
+    min_lr: float = 0.0
+    """Learning rate reached at the end of the decay."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and normalisation weights."""
+    clip_grad: float = 1.0
+    """Maximum global gradient norm; 0 disables clipping."""
+    train_iters: int | None = None
+    """Optimizer steps to train for (iteration-based training)."""
+    epochs: int | None = None
+    """Passes over the training set (epoch-based training)."""
+    eval_interval: int | None = None
+    """Evaluate every this many steps; evaluation always runs at the end when there is
+    validation data."""
+    eval_iters: int | None = None
+    """Validation batches per evaluation; default: the whole validation set."""
+    seed: int = 1234
+    """Seed of every random number generator (model init, dropout, data order)."""
+    user_script: str | None = None
+    """Python file defining a Trainer, Pretrainer or Finetuner subclass for the CLI to run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Numeric precision of the forward and backward passes."""
+
+    mixed_precision: bool = False
+    """FP16 mixed precision (autocast plus a dynamic loss scaler); same as --precision fp16."""
+    precision: Precision = "fp32"
+    """Autocast precision: fp32 (off), fp16 (with a loss scaler) or bf16."""
+
+    @property
+    def resolved(self) -> Precision:
+        """The precision actually used: --mixed-precision means fp16."""
+        return "fp16" if self.mixed_precision else self.precision
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model-parallel degrees; the data-parallel degree is what the world size leaves."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree: each layer's matrices split over this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree: the layers split into this many stages."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Memory optimisations: model-state sharding, offload and activation checkpointing."""
+
+    oss_memory_optimization: bool = False
+    """Optimizer State Sharding: each data-parallel rank keeps 1/N of the optimizer state."""
+    oss_sdp_memory_optimization: bool = False
+    """Sharded Data Parallel: optimizer state and gradients sharded."""
+    fsdp_memory_optimization: bool = False
+    """Fully Sharded Data Parallel: optimizer state, gradients and parameters sharded."""
+    zero_1_memory_optimization: bool = False
+    """ZeRO stage 1: optimizer state sharded."""
+    zero_2_memory_optimization: bool = False
+    """ZeRO stage 2: optimizer state and gradients sharded."""
+    zero_3_memory_optimization: bool = False
+    """ZeRO stage 3: optimizer state, gradients and parameters sharded."""
+    cpu_offload: bool = False
+    """Keep sharded model state in CPU memory (needs a ZeRO or FSDP flag)."""
+    checkpoint_activations: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of
+    storing them."""
+
+    @property
+    def sharding_flags(self) -> tuple[str, ...]:
+        """The memory-optimisation flags that are set, spelled as on the command line."""
+        names = (
+            "oss_memory_optimization",
+            "oss_sdp_memory_optimization",
+            "fsdp_memory_optimization",
+            "zero_1_memory_optimization",
+            "zero_2_memory_optimization",
+            "zero_3_memory_optimization",
+        )
+        return tuple("--" + n.replace("_", "-") for n in names if getattr(self, n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sparsely gated mixture of experts."""
+
+    num_experts: int | None = None
+    """Experts per MoE layer; unset or 1 means dense feed-forward layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphConfig:
+    """Graph-level optimisation of the model."""
+
+    onnx_runtime_training: bool = False
+    """Run the forward and backward passes in ONNX Runtime."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Which optimizer implementation steps the parameters."""
+
+    optimizers: OptimizerName = "apex_adam"
+    """apex_adam: fused AdamW; apex_lamb: fused LAMB (apex when built, else rapidformer's own)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where training state is saved and resumed from."""
+
+    save: str | None = None
+    """Directory for checkpoints, metrics.jsonl and TensorBoard events; a run whose --save
+    already holds a checkpoint resumes from it."""
+    load: str | None = None
+    """Checkpoint directory (or one iteration inside it) to resume from."""
+    save_interval: int | None = None
+    """Save every this many steps; a final checkpoint is always saved when --save is set."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What rank 0 reports while training."""
+
+    log_interval: int = 100
+    """Log loss, learning rate, gradient norm, throughput and memory every this many steps."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RapidformerConfig:
+    """Everything a run needs, one section per concern.
+
+    Build it from flags with :func:`rapidformer.parse_args`, from a dict or YAML with
+    :meth:`from_dict`, or directly: ``RapidformerConfig(data=DataConfig(micro_batch_size=8))``.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, object]]:
+        """Nested plain dict ``{section: {field: value}}``; :meth:`from_dict` inverts it."""
+        from rapidformer.config.loading import config_to_dict
+
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> RapidformerConfig:
+        """Build from a nested dict (as :meth:`to_dict` writes) or a flat one keyed by field
+        or flag name (``micro_batch_size`` or ``micro-batch-size``)."""
+        from rapidformer.config.loading import config_from_dict
+
+        return config_from_dict(values)
+
+    def replace(self, **flat: object) -> RapidformerConfig:
+        """A copy with some fields changed, named flat: ``cfg.replace(micro_batch_size=4)``."""
+        from rapidformer.config.loading import config_from_dict
+
+        merged: dict[str, object] = {
+            name: value for section in self.to_dict().values() for name, value in section.items()
+        }
+        merged.update(flat)
+        return config_from_dict(merged)
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "training": TrainingConfig,
+    "precision": PrecisionConfig,
+    "parallel": ParallelConfig,
+    "memory": MemoryConfig,
+    "moe": MoEConfig,
+    "graph": GraphConfig,
+    "optimizer": OptimizerConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+"""Section name in :class:`RapidformerConfig` -> its dataclass, in documentation order."""

@@ -1,0 +1,51 @@
+"""Process-group set-up and the few collectives several modules share."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rapidformer.config.env import LaunchEnv
+
+
+def pick_device(env: LaunchEnv) -> torch.device:
+    """cuda:LOCAL_RANK when a GPU is present, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(env: LaunchEnv, device: torch.device) -> bool:
+    """Join the job's process group (nccl on GPUs, gloo on CPUs) when there is more than one
+    rank; returns whether this call created it. The launcher's env:// variables say where the
+    rendezvous is."""
+    if env.world_size == 1 or dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    return True
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over every rank in place (a no-op on one process) and return it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1

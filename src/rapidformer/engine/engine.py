@@ -1,0 +1,266 @@
+"""RapidformerEngine: validates the config, joins the process group, composes accelerations and
+runs backward / step with loss scaling, gradient accumulation and clipping.
+
+The three ways into rapidformer (CLI, templates, a hand-written loop) all end here::
+
+    engine = RapidformerEngine(config)
+    state = engine.compose(model, train_dataloader=loader)
+    for batch in state.train_dataloader:
+        loss = loss_fn(state.model(batch))
+        engine.backward(loss)
+        engine.step()          # steps the optimizer once every accumulation boundary
+
+Gradient accumulation is exact: each micro-batch's loss is weighted by its sample (or token)
+count, and the gradients are divided by the total count of the whole global batch over all
+ranks, so micro 2 x 4 accumulation steps gives the gradients of one batch of 8 even when the
+micro-batches hold different numbers of tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from rapidformer.accel.checkpointing import apply_activation_checkpointing
+from rapidformer.accel.data import apply_data
+from rapidformer.accel.data_parallel import apply_data_parallel
+from rapidformer.accel.optimizers import apply_optimizer
+from rapidformer.accel.precision import apply_precision
+from rapidformer.config.env import LaunchEnv
+from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import validate
+from rapidformer.distributed import process_group
+from rapidformer.engine.state import TrainState
+from rapidformer.logging import log, setup_console_logging
+
+# The canonical order. Each step's position is deliberate:
+CANONICAL_ORDER = (
+    # Checkpointing patches the user's blocks, before anything wraps them.
+    apply_activation_checkpointing,
+    # DDP wraps the finished module; it must see the final parameters and forward.
+    apply_data_parallel,
+    # The optimizer is built on the unwrapped module's parameters, after wrapping decided them.
+    apply_optimizer,
+    # Autocast wraps the outermost forward so DDP's hooks and the blocks all run under it.
+    apply_precision,
+    # Data comes last: the sampler needs the final data-parallel degree.
+    apply_data,
+)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    loss: float
+    """Loss of the global batch: the count-weighted mean over all its micro-batches and ranks."""
+    grad_norm: float
+    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step)."""
+    lr: float
+    """Learning rate the step used."""
+    skipped: bool
+    """True when the loss scaler found inf/NaN gradients and skipped the update."""
+    weight: float
+    """Samples (or tokens, when the step reported them) in the global batch."""
+
+
+class RapidformerEngine:
+    """Applies the accelerations the config enables; see the module docstring."""
+
+    def __init__(
+        self, config: RapidformerConfig, *, builds_optimizer: bool = False, runs_loop: bool = False
+    ) -> None:
+        """``builds_optimizer``/``runs_loop``: whether compose() will build the optimizer and
+        whether rapidformer's loop decides the run length (both True for the templates); they
+        make ``--lr`` and ``--train-iters``/``--epochs`` required."""
+        env = LaunchEnv.read()
+        # Validation first: a bad combination must fail before any process group exists.
+        self.dims = validate(
+            config,
+            env.world_size,
+            rank=env.rank,
+            builds_optimizer=builds_optimizer,
+            runs_loop=runs_loop,
+        )
+        self.config = config
+        self.env = env
+        if env.rank == 0:
+            setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
+        self.device = process_group.pick_device(env)
+        self._owns_process_group = process_group.init_process_group(env, self.device)
+        self.accumulation_steps = self.dims.accumulation_steps(config)
+        self.state: TrainState | None = None
+        # Per-step accumulation state (reset after every optimizer step):
+        self._micro_steps = 0
+        self._ready = False
+        self._reference = torch.ones((), device=self.device)
+        self._totals = torch.zeros(2, device=self.device)  # [weight, weight x loss] so far
+        self._step_totals = self._totals  # the same, summed over ranks, once the step is ready
+        self._last_armed = self.accumulation_steps == 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.rank == 0
+
+    def compose(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None = None,
+        train_dataloader: DataLoader | None = None,
+        eval_dataloader: DataLoader | None = None,
+        lr_scheduler_fn: Callable[[Optimizer], LRScheduler] | None = None,
+    ) -> TrainState:
+        """Accelerate the given objects in the canonical order and log the plan.
+
+        Without an optimizer, the one ``--optimizers`` names is built (needs ``--lr``).
+        ``lr_scheduler_fn`` receives the final optimizer and returns its scheduler.
+        """
+        model = model.to(self.device)
+        state = TrainState(
+            model=model,
+            unwrapped_model=model,
+            device=self.device,
+            optimizer=optimizer,
+            train_dataloader=train_dataloader,
+            eval_dataloader=eval_dataloader,
+        )
+        for apply in CANONICAL_ORDER:
+            state = apply(state, self.config, self.dims)
+        if lr_scheduler_fn is not None and state.optimizer is not None:
+            state.lr_scheduler = lr_scheduler_fn(state.optimizer)
+        self.state = state
+        self._arm(self.accumulation_steps == 1)
+        self.log_plan()
+        return state
+
+    def log_plan(self) -> None:
+        assert self.state is not None
+        if not self.is_main_process:
+            return
+        lines = [f"  {i}. {step}" for i, step in enumerate(self.state.plan, 1)]
+        if not self.state.plan:
+            lines = ["  (none)"]
+        log.info(
+            "rapidformer plan on %s, world size %d:\n%s",
+            self.device,
+            self.dims.world_size,
+            "\n".join(lines),
+        )
+
+    def begin_micro_step(self, *, last: bool) -> None:
+        """Declare, before its forward, whether the next micro-batch ends the optimizer step.
+
+        Only needed when a step has fewer micro-batches than ``accumulation_steps`` (the last
+        step of an epoch); otherwise the engine counts. DDP decides in the *forward* whether the
+        following backward all-reduces, which is why this cannot wait for ``backward``.
+        """
+        self._arm(last)
+
+    def backward(self, loss: torch.Tensor, *, weight: float | torch.Tensor | None = None) -> None:
+        """Backward of one micro-batch's mean loss.
+
+        ``weight`` is the number of samples or tokens the loss averages over (default: every
+        micro-batch counts the same); the step's gradient is the weight-averaged one.
+        """
+        state = self._require_state()
+        count = torch.as_tensor(
+            1.0 if weight is None else weight, dtype=torch.float32, device=self.device
+        )
+        self._micro_steps += 1
+        self._totals += torch.stack([count, loss.detach().float() * count])
+        if not self._last_armed:
+            if self._micro_steps == 1:
+                # Any constant common to the step keeps the scaled losses near 1.
+                self._reference = count.clamp(min=1.0)
+            self._scaled(state, loss * (count / self._reference)).backward()
+            self._arm(self._micro_steps + 1 == self.accumulation_steps)
+            return
+        # Last micro-step: only now is the global count known, so rescale what accumulated
+        # locally to a common denominator before DDP sums gradients over ranks.
+        totals = process_group.all_reduce_sum(self._totals.clone())
+        total_count = totals[0].clamp(min=1e-12)
+        dp = float(self.dims.dp)
+        if self._micro_steps > 1:
+            grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, self._reference * dp / total_count)
+        self._scaled(state, loss * (count * dp / total_count)).backward()
+        self._step_totals = totals
+        self._ready = True
+
+    def step(self) -> StepResult | None:
+        """Unscale, clip and apply the gradients once a step's micro-batches are done.
+
+        Returns None (and does nothing) in the middle of an accumulation.
+        """
+        state = self._require_state()
+        if not self._ready:
+            return None
+        optimizer = state.optimizer
+        assert optimizer is not None, "compose() built no optimizer"
+        scaler = state.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        clip = self.config.training.clip_grad
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        lr = optimizer.param_groups[0]["lr"]
+        skipped = False
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)  # skips the update when gradients hold inf/NaN
+            scaler.update()
+            skipped = scaler.get_scale() < scale_before
+        else:
+            optimizer.step()
+        # A skipped step does not advance the schedule (as in Megatron).
+        if state.lr_scheduler is not None and not skipped:
+            state.lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        totals = self._step_totals
+        self._reset_accumulation()
+        self._arm(self.accumulation_steps == 1)
+        weight, loss_sum = totals.tolist()
+        return StepResult(
+            loss=loss_sum / max(weight, 1e-12),
+            grad_norm=float(grad_norm),
+            lr=lr,
+            skipped=skipped,
+            weight=weight,
+        )
+
+    def close(self) -> None:
+        """Leave the process group if this engine created it."""
+        if self._owns_process_group:
+            torch.distributed.destroy_process_group()
+            self._owns_process_group = False
+
+    def _require_state(self) -> TrainState:
+        if self.state is None:
+            raise RuntimeError("call engine.compose(model, ...) before backward() or step()")
+        return self.state
+
+    def _reset_accumulation(self) -> None:
+        self._micro_steps = 0
+        self._ready = False
+        self._reference = torch.ones((), device=self.device)
+        self._totals = torch.zeros(2, device=self.device)
+        self._step_totals = self._totals
+
+    def _scaled(self, state: TrainState, loss: torch.Tensor) -> torch.Tensor:
+        return state.grad_scaler.scale(loss) if state.grad_scaler is not None else loss
+
+    def _arm(self, last: bool) -> None:
+        """Whether the coming micro-step is the step's last; under DDP, only that one's
+        backward all-reduces (what ``DDP.no_sync()`` toggles, set here because the forward
+        and backward of a micro-step happen in the user's code, not inside one context)."""
+        self._last_armed = last
+        model = self.state.model if self.state is not None else None
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = last

@@ -1,0 +1,55 @@
+"""Errors rapidformer raises on bad input.
+
+Every configuration problem is reported as a :class:`Violation` that names the flag, the value
+it had, the rule it broke and how to fix it. :class:`ConfigError` carries one or more of them so
+that a user sees every problem of a command line at once instead of fixing them one run at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken configuration rule."""
+
+    flag: str
+    """The command-line spelling of the offending flag, e.g. ``--global-batch-size``."""
+    value: object
+    """The value the flag had."""
+    rule: str
+    """What must hold."""
+    fix: str
+    """What the user can change to satisfy the rule."""
+
+    def __str__(self) -> str:
+        return f"{self.flag}={self.value!r}: {self.rule}. Fix: {self.fix}"
+
+
+class RapidformerError(Exception):
+    """Base class of every error rapidformer raises on purpose."""
+
+
+class ConfigError(RapidformerError, ValueError):
+    """The configuration is invalid; ``violations`` lists every broken rule."""
+
+    def __init__(self, violations: Sequence[Violation]) -> None:
+        self.violations = tuple(violations)
+        count = len(self.violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        noun = "problem" if count == 1 else "problems"
+        super().__init__(f"invalid rapidformer configuration ({count} {noun}):\n{lines}")
+
+    @classmethod
+    def single(cls, flag: str, value: object, rule: str, fix: str) -> ConfigError:
+        return cls([Violation(flag, value, rule, fix)])
+
+
+class DataError(RapidformerError, ValueError):
+    """A data file or dataset is missing or malformed; the message names the file."""
+
+
+class CheckpointError(RapidformerError, RuntimeError):
+    """A checkpoint cannot be written or read; the message names the directory."""

@@ -1,0 +1,142 @@
+"""Rank-0 reporting: log lines every --log-interval, a progress bar, metrics.jsonl and
+TensorBoard event files under --save. Other ranks report nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("rapidformer")
+
+
+def setup_console_logging() -> None:
+    """Send rapidformer's log records to stderr once (a library must not do this on import)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[rapidformer] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated, or this process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Accumulates per-step numbers and reports them every ``log_interval`` steps."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        log_interval: int,
+        total_steps: int,
+        save_dir: str | None,
+        device: torch.device,
+        start_step: int = 0,
+    ) -> None:
+        self.enabled = enabled
+        self.log_interval = log_interval
+        self.total_steps = total_steps
+        self.device = device
+        self._jsonl = None
+        self._tensorboard = None
+        self._bar = None
+        if enabled:
+            setup_console_logging()
+            if save_dir is not None:
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+                self._jsonl = open(Path(save_dir) / "metrics.jsonl", "a")  # noqa: SIM115
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(Path(save_dir) / "tensorboard"))
+            if sys.stderr.isatty():
+                from tqdm import tqdm
+
+                self._bar = tqdm(
+                    total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
+                )
+        self._window_start = time.perf_counter()
+        self._window = {"samples": 0.0, "tokens": 0.0, "loss": 0.0, "steps": 0}
+
+    def step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        samples: int,
+        tokens: int,
+        skipped: bool,
+    ) -> None:
+        """Record one optimizer step (call on every rank; only rank 0 writes)."""
+        window = self._window
+        window["samples"] += samples
+        window["tokens"] += tokens
+        window["loss"] += loss
+        window["steps"] += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        if skipped and self.enabled:
+            log.info("step %d: gradients overflowed, update skipped and loss scale lowered", step)
+        if step % self.log_interval and step != self.total_steps:
+            return
+        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        record = {
+            "step": step,
+            "loss": window["loss"] / window["steps"],
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "samples_per_s": window["samples"] / elapsed,
+            "tokens_per_s": window["tokens"] / elapsed,
+            "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
+        }
+        self.write("train", record)
+        self._window_start = time.perf_counter()
+        self._window = {"samples": 0.0, "tokens": 0.0, "loss": 0.0, "steps": 0}
+
+    def write(self, kind: str, record: dict[str, Any]) -> None:
+        """Log a record (``kind`` is train or eval) to the console, JSONL and TensorBoard."""
+        if not self.enabled:
+            return
+        step = record["step"]
+        text = " | ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k != "step")
+        message = f"{kind} step {step}/{self.total_steps} | {text}"
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            log.info(message)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,5 @@
+"""Code templates: subclass one and override its hooks."""
+
+from rapidformer.templates.trainer import DataBundle, Trainer
+
+__all__ = ["DataBundle", "Trainer"]

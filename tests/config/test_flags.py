@@ -1,0 +1,174 @@
+"""Every flag parses from the command line and from files, and round-trips through to_dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rapidformer import RapidformerConfig, parse_args
+from rapidformer.config.docs import render_parameters
+from rapidformer.config.fields import FieldSpec, all_fields
+from rapidformer.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+REFERENCE_FLAGS = {
+    # flag: (type, default, choices) exactly as the reference tool documents them
+    "--micro-batch-size": (int, 1, None),
+    "--global-batch-size": (int, None, None),
+    "--tokenizer-type": (
+        str,
+        None,
+        {"BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer"},
+    ),
+    "--split": (str, "969, 30, 1", None),
+    "--data-impl": (str, "mmap", {"lazy", "cached", "mmap", "infer"}),
+    "--data-path": (str, None, None),
+    "--data-dir": (str, None, None),
+    "--data-name": (str, None, None),
+    "--pretrained-model-name-or-path": (str, None, None),
+    "--num-layers": (int, None, None),
+    "--hidden-size": (int, None, None),
+    "--num-attention-heads": (int, None, None),
+    "--max-position-embeddings": (int, None, None),
+    "--seq-length": (int, None, None),
+    "--task": (
+        str,
+        None,
+        {
+            "sequence_classification",
+            "token_classification",
+            "question_answering",
+            "masked_lm",
+            "casual_lm",
+            "causal_lm",
+            "seq2seq_lm",
+            "pretraining",
+        },
+    ),
+    "--save": (str, None, None),
+    "--lr": (float, None, None),
+    "--lr-decay-style": (str, "linear", {"constant", "linear", "cosine"}),
+    "--weight-decay": (float, 0.01, None),
+    "--clip-grad": (float, 1.0, None),
+    "--lr-warmup-fraction": (float, None, None),
+    "--train-iters": (int, None, None),
+    "--epochs": (int, None, None),
+    "--log-interval": (int, 100, None),
+    "--num-experts": (int, None, None),
+    "--mixed-precision": (bool, False, None),
+    "--oss-memory-optimization": (bool, False, None),
+    "--oss-sdp-memory-optimization": (bool, False, None),
+    "--fsdp-memory-optimization": (bool, False, None),
+    "--zero-1-memory-optimization": (bool, False, None),
+    "--zero-2-memory-optimization": (bool, False, None),
+    "--zero-3-memory-optimization": (bool, False, None),
+    "--tensor-model-parallel-size": (int, 1, None),
+    "--pipeline-model-parallel-size": (int, 1, None),
+    "--onnx-runtime-training": (bool, False, None),
+    "--cpu-offload": (bool, False, None),
+    "--checkpoint-activations": (bool, False, None),
+    "--data-iterator": (str, "fixed-shape", {"dynamic-shape", "fixed-shape"}),
+    "--optimizers": (str, "apex_adam", {"apex_adam", "apex_lamb"}),
+    "--load": (str, None, None),
+    "--save-interval": (int, None, None),
+    "--eval-interval": (int, None, None),
+    "--eval-iters": (int, None, None),
+    "--seed": (int, 1234, None),
+    "--lr-warmup-iters": (int, 0, None),
+    "--min-lr": (float, 0.0, None),
+    "--precision": (str, "fp32", {"fp32", "fp16", "bf16"}),
+    "--vocab-file": (str, None, None),
+    "--merge-file": (str, None, None),
+    "--user-script": (str, None, None),
+}
+
+
+def _value_for(spec: FieldSpec) -> object:
+    """A valid value that differs from the default."""
+    if spec.kind is bool:
+        return True
+    if spec.choices:
+        return next(c for c in reversed(spec.choices) if c != spec.default)
+    return {int: 7, float: 0.25, str: "some/path"}[spec.kind]
+
+
+def _read(config: RapidformerConfig, spec: FieldSpec) -> object:
+    return getattr(getattr(config, spec.section), spec.name)
+
+
+def test_config_has_every_reference_flag_with_its_type_default_and_choices() -> None:
+    specs = {spec.flag: spec for spec in all_fields()}
+    for flag, (kind, default, choices) in REFERENCE_FLAGS.items():
+        spec = specs[flag]
+        assert spec.kind is kind, flag
+        assert spec.default == default, flag
+        assert (set(spec.choices) if spec.choices else None) == choices, flag
+        assert spec.help, f"{flag} has no documentation"
+
+
+@pytest.mark.parametrize("spec", all_fields(), ids=lambda s: s.flag)
+def test_flag_parses_from_the_command_line(spec: FieldSpec) -> None:
+    value = _value_for(spec)
+    argv = [spec.flag] if spec.kind is bool else [spec.flag, str(value)]
+    assert _read(parse_args(argv), spec) == value
+
+
+def test_every_flag_at_once_from_yaml_and_json_round_trips(tmp_path: Path) -> None:
+    flat = {spec.flag.lstrip("-"): _value_for(spec) for spec in all_fields()}
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(yaml.safe_dump(flat))
+    from_yaml = parse_args(["--config", str(yaml_file)])
+    for spec in all_fields():
+        assert _read(from_yaml, spec) == _value_for(spec), spec.flag
+    nested = from_yaml.to_dict()
+    assert RapidformerConfig.from_dict(nested) == from_yaml
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps(nested))
+    assert parse_args(["--config", str(json_file)]) == from_yaml
+
+
+def test_command_line_overrides_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  micro_batch_size: 4\nlr: 1e-4\nmixed-precision: true\n")
+    config = parse_args(["--config", str(path), "--micro-batch-size", "8"])
+    assert config.data.micro_batch_size == 8
+    assert config.training.lr == 1e-4  # YAML reads 1e-4 as a string; it is coerced
+    assert config.precision.mixed_precision is True
+    assert config.precision.resolved == "fp16"
+
+
+def test_both_spellings_of_the_causal_lm_task_are_accepted() -> None:
+    assert parse_args(["--task", "casual_lm"]).training.task == "casual_lm"
+    assert parse_args(["--task", "causal_lm"]).training.task == "causal_lm"
+
+
+def test_unknown_and_badly_typed_keys_are_all_reported_with_a_fix() -> None:
+    with pytest.raises(ConfigError) as caught:
+        RapidformerConfig.from_dict({"micro_batch_sise": 2, "lr": "fast", "precision": "fp8"})
+    message = str(caught.value)
+    assert len(caught.value.violations) == 3
+    assert "did you mean --micro-batch-size" in message
+    assert "--lr='fast': must be a number" in message
+    assert "use one of: fp32, fp16, bf16" in message
+
+
+def test_unknown_choice_on_the_command_line_exits_with_usage() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--lr-decay-style", "exponential"])
+
+
+def test_replace_changes_one_field() -> None:
+    config = parse_args(["--lr", "0.1"]).replace(micro_batch_size=3)
+    assert config.data.micro_batch_size == 3
+    assert config.training.lr == 0.1
+
+
+def test_parameters_doc_matches_the_config() -> None:
+    committed = (ROOT / "docs" / "parameters.md").read_text()
+    assert committed == render_parameters(), "docs/parameters.md is stale: run `make docs`"
+    for spec in all_fields():
+        assert f"`{spec.flag}`" in committed

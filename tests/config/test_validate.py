@@ -1,0 +1,153 @@
+"""One test per cross-field rule; each checks the flag, the rule and the fix are named."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from rapidformer import RapidformerConfig
+from rapidformer.config.validate import NOT_AVAILABLE, validate
+from rapidformer.errors import ConfigError
+
+VALID = {"train_iters": 10, "lr": 1e-3}
+
+
+def _violations(world_size: int = 1, **flat: object) -> list[str]:
+    config = RapidformerConfig.from_dict({**VALID, **flat})
+    try:
+        validate(config, world_size)
+    except ConfigError as exc:
+        return [str(v) for v in exc.violations]
+    return []
+
+
+def _only(world_size: int = 1, **flat: object) -> str:
+    found = _violations(world_size, **flat)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_valid_config_passes_and_gives_the_parallel_degrees() -> None:
+    config = RapidformerConfig.from_dict({**VALID, "micro_batch_size": 2, "global_batch_size": 16})
+    dims = validate(config, world_size=4)
+    assert (dims.dp, dims.tp, dims.pp) == (4, 1, 1)
+    assert dims.accumulation_steps(config) == 2
+
+
+def test_global_batch_must_be_a_multiple_of_micro_times_dp() -> None:
+    message = _only(2, micro_batch_size=4, global_batch_size=12)
+    assert message.startswith("--global-batch-size=12")
+    assert "x data-parallel size (2) = 8" in message
+    assert "use --global-batch-size 8" in message
+
+
+def test_parallel_degrees_must_multiply_to_the_world_size() -> None:
+    found = _violations(3, tensor_model_parallel_size=2)
+    assert any("must equal the world size 3" in v for v in found)
+
+
+def test_at_most_one_memory_optimization_flag() -> None:
+    found = _violations(oss_memory_optimization=True, zero_2_memory_optimization=True)
+    assert any("at most one memory-optimization flag" in v for v in found)
+
+
+def test_cpu_offload_needs_zero_or_fsdp() -> None:
+    found = _violations(cpu_offload=True)
+    assert any(v.startswith("--cpu-offload=True: offload needs sharded model state") for v in found)
+    assert not any(
+        "needs sharded" in v for v in _violations(cpu_offload=True, zero_3_memory_optimization=True)
+    )
+
+
+@pytest.mark.parametrize("flag", ["zero_3_memory_optimization", "fsdp_memory_optimization"])
+def test_parameter_sharding_is_refused_with_pipeline_parallelism(flag: str) -> None:
+    found = _violations(2, pipeline_model_parallel_size=2, **{flag: True})
+    assert any("cannot be combined with pipeline parallelism" in v for v in found)
+    assert any("use --zero-1-memory-optimization or --zero-2" in v for v in found)
+    ok = _violations(2, pipeline_model_parallel_size=2, zero_2_memory_optimization=True)
+    assert not any("cannot be combined with pipeline" in v for v in ok)
+
+
+def test_train_iters_or_epochs_is_required_and_not_both() -> None:
+    config = RapidformerConfig.from_dict({"lr": 1e-3})
+    with pytest.raises(ConfigError, match="pass --train-iters N"):
+        validate(config, 1)
+    assert "cannot be combined with --train-iters 10" in _only(epochs=2)
+
+
+def test_hidden_size_divisible_by_heads_and_tp() -> None:
+    assert "divisible by --num-attention-heads (3)" in _only(hidden_size=64, num_attention_heads=3)
+    found = _violations(4, hidden_size=66, num_attention_heads=3, tensor_model_parallel_size=4)
+    assert any(
+        "--hidden-size=66: must be divisible by --tensor-model-parallel-size (4)" in v
+        for v in found
+    )
+
+
+def test_task_must_be_known() -> None:
+    # argparse and from_dict check choices; a config built in Python is checked here.
+    config = RapidformerConfig.from_dict({**VALID, "task": "sequence_classification"})
+    validate(config, 1)
+    bad = replace(config, training=replace(config.training, task="summarisation"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--task='summarisation': unknown value"):
+        validate(bad, 1)
+
+
+def test_lr_is_required_only_when_rapidformer_builds_the_optimizer() -> None:
+    config = RapidformerConfig.from_dict({"train_iters": 3})
+    with pytest.raises(ConfigError, match="--lr=None"):
+        validate(config, 1)
+    validate(config, 1, builds_optimizer=False)
+
+
+def test_schedule_rules() -> None:
+    assert "must lie in [0, 1]" in _only(lr_warmup_fraction=1.5)
+    assert "cannot be combined with --lr-warmup-iters" in _only(
+        lr_warmup_fraction=0.1, lr_warmup_iters=5
+    )
+    assert "must not exceed --lr" in _only(min_lr=1.0)
+
+
+def test_mixed_precision_contradicting_precision() -> None:
+    assert "contradicts --precision bf16" in _only(mixed_precision=True, precision="bf16")
+
+
+def test_positive_integers() -> None:
+    assert _only(micro_batch_size=0).startswith("--micro-batch-size=0: must be at least 1")
+
+
+def test_seq_length_within_position_embeddings() -> None:
+    assert "must not exceed --max-position-embeddings" in _only(
+        seq_length=128, max_position_embeddings=64
+    )
+
+
+@pytest.mark.parametrize("field", sorted(NOT_AVAILABLE))
+def test_switches_of_later_issues_fail_loudly(field: str) -> None:
+    value: object = {
+        "data_iterator": "dynamic-shape",
+        "optimizers": "apex_lamb",
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2,
+        "num_experts": 4,
+    }.get(field, True)
+    extra: dict[str, object] = (
+        {"zero_3_memory_optimization": True} if field == "cpu_offload" else {}
+    )
+    found = _violations(4, **{field: value}, **extra)
+    flag = "--" + field.replace("_", "-")
+    assert any(v.startswith(f"{flag}={value!r}: not available yet") for v in found), found
+
+
+def test_all_violations_are_reported_at_once() -> None:
+    found = _violations(
+        2,
+        micro_batch_size=3,
+        global_batch_size=8,
+        cpu_offload=True,
+        epochs=1,
+        hidden_size=10,
+        num_attention_heads=4,
+    )
+    assert len(found) >= 5

@@ -1,0 +1,79 @@
+"""A hand-written loop driving RapidformerEngine gets the same training as the Trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from rapidformer import RapidformerEngine
+from rapidformer.schedules import build_lr_scheduler
+from rapidformer.templates.trainer import seed_everything
+from rapidformer.testing import lm_loss
+from tests.conftest import read_losses, tiny_trainer
+
+FLAGS = (
+    "--train-iters",
+    "6",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--lr-warmup-iters",
+    "2",
+    "--checkpoint-activations",
+)
+
+
+def test_hand_written_loop_matches_the_trainer(tmp_path: Path) -> None:
+    trainer = tiny_trainer(*FLAGS, "--save", str(tmp_path))
+    trainer.fit()
+    expected = read_losses(tmp_path)
+
+    config = trainer.config
+    engine = RapidformerEngine(config)  # hand-written loop: neither --lr nor --train-iters needed
+    seed_everything(config.training.seed)
+    data = trainer.build_data()
+    model = trainer.build_model()
+    loader = DataLoader(data.train, batch_size=4, shuffle=True, collate_fn=data.collate_fn)
+    state = engine.compose(
+        model,
+        train_dataloader=loader,
+        lr_scheduler_fn=lambda opt: build_lr_scheduler(opt, config, 6),
+    )
+    assert any("activation checkpointing" in str(step) for step in state.plan)
+    assert state.train_dataloader is not None
+    losses = []
+    while len(losses) < 6:
+        for batch in state.train_dataloader:
+            out = lm_loss(state.model, batch)
+            engine.backward(out["loss"], weight=out["num_tokens"])
+            result = engine.step()  # None on the first micro-batch of each step
+            if result is not None:
+                losses.append(result.loss)
+            if len(losses) == 6:
+                break
+    assert losses == [expected[step] for step in range(1, 7)]
+
+
+def test_step_before_the_last_micro_batch_does_nothing() -> None:
+    trainer = tiny_trainer(
+        "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "6"
+    )
+    engine = trainer.engine
+    state = engine.compose(trainer.build_model())
+    batch = next(
+        iter(
+            DataLoader(
+                trainer.build_data().train, batch_size=2, collate_fn=trainer.build_data().collate_fn
+            )
+        )
+    )
+    before = {k: v.clone() for k, v in state.unwrapped_model.state_dict().items()}
+    for micro_step in range(3):
+        engine.backward(lm_loss(state.model, batch)["loss"])
+        result = engine.step()
+        assert (result is None) == (micro_step < 2)
+    after = state.unwrapped_model.state_dict()
+    assert not all(torch.equal(before[k], after[k]) for k in before)

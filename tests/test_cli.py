@@ -1,0 +1,89 @@
+"""The black-box entry point: runs a user's Trainer, and rejects bad input before building
+anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rapidformer.cli import main
+from tests.conftest import EXAMPLE, read_losses
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_user_script_trains_from_the_command_line(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rapidformer",
+            "--user-script",
+            str(EXAMPLE),
+            "--train-iters",
+            "40",
+            "--micro-batch-size",
+            "16",
+            "--lr",
+            "3e-3",
+            "--log-interval",
+            "10",
+            "--save",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "rapidformer plan on cpu, world size 1" in run.stderr
+    losses = read_losses(tmp_path)
+    assert losses[40] < losses[10] - 0.5  # learned the Markov chain's transitions
+    final = json.loads(run.stderr.split("final metrics: ")[1].splitlines()[0])
+    assert final["eval_loss"] < 3.0  # ln(64) = 4.16 is chance
+
+
+def test_bad_flags_are_all_reported_and_nothing_is_built(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(
+        [
+            "--user-script",
+            str(EXAMPLE),
+            "--micro-batch-size",
+            "3",
+            "--global-batch-size",
+            "8",
+            "--cpu-offload",
+            "--save",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--global-batch-size=8: must be a multiple of --micro-batch-size (3)" in err
+    assert "--cpu-offload=True: offload needs sharded model state" in err
+    assert "--train-iters=None: the run needs a length" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tasks_of_later_issues_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--task", "sequence_classification", "--epochs", "1", "--lr", "1e-5"]) == 2
+    assert "Finetuner template (issue #4) has not landed" in capsys.readouterr().err
+    assert main(["--train-iters", "1"]) == 2
+    assert "a black-box run needs a task" in capsys.readouterr().err
+
+
+def test_a_script_without_one_trainer_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "empty.py"
+    script.write_text("x = 1\n")
+    assert main(["--user-script", str(script), "--train-iters", "1", "--lr", "1e-3"]) == 2
+    assert "exactly one concrete Trainer subclass (found: none)" in capsys.readouterr().err
