@@ -36,6 +36,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLogger:
     """Accumulates per-step numbers and reports them every ``log_interval`` steps."""
 
+    _tokens: torch.Tensor | int  # summed on the device; read only when a line is logged
+
     def __init__(
         self,
         *,
@@ -67,8 +69,7 @@ class MetricsLogger:
                 self._bar = tqdm(
                     total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
                 )
-        self._window_start = time.perf_counter()
-        self._window = {"samples": 0.0, "tokens": 0.0, "loss": 0.0, "steps": 0}
+        self._reset_window()
 
     def step(
         self,
@@ -78,15 +79,14 @@ class MetricsLogger:
         lr: float,
         grad_norm: float,
         samples: int,
-        tokens: int,
+        tokens: torch.Tensor | int,
         skipped: bool,
     ) -> None:
         """Record one optimizer step (call on every rank; only rank 0 writes)."""
-        window = self._window
-        window["samples"] += samples
-        window["tokens"] += tokens
-        window["loss"] += loss
-        window["steps"] += 1
+        self._samples += samples
+        self._tokens = self._tokens + tokens  # may stay a device tensor until it is logged
+        self._loss += loss
+        self._steps += 1
         if self._bar is not None:
             self._bar.update(1)
         if skipped and self.enabled:
@@ -96,16 +96,20 @@ class MetricsLogger:
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
         record = {
             "step": step,
-            "loss": window["loss"] / window["steps"],
+            "loss": self._loss / self._steps,
             "lr": lr,
             "grad_norm": grad_norm,
-            "samples_per_s": window["samples"] / elapsed,
-            "tokens_per_s": window["tokens"] / elapsed,
+            "samples_per_s": self._samples / elapsed,
+            "tokens_per_s": float(self._tokens) / elapsed,
             "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
         }
         self.write("train", record)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
-        self._window = {"samples": 0.0, "tokens": 0.0, "loss": 0.0, "steps": 0}
+        self._samples, self._loss, self._steps = 0, 0.0, 0
+        self._tokens = 0
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         """Log a record (``kind`` is train or eval) to the console, JSONL and TensorBoard."""

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.testing import (
@@ -34,6 +36,9 @@ def _samples(count: int = 8) -> list[dict[str, torch.Tensor]]:
     return [dataset[i] for i in range(count)]
 
 
+allreduce_micro_steps: list[int] = []
+
+
 def _accumulated_grads(
     micro: int, samples: list[dict[str, torch.Tensor]], *, token_weighted: bool = True, dp: int = 1
 ) -> dict[str, torch.Tensor]:
@@ -43,6 +48,14 @@ def _accumulated_grads(
     engine = RapidformerEngine(config)
     state = engine.compose(_model(), optimizer=torch.optim.SGD(_model().parameters(), lr=0.0))
     assert engine.accumulation_steps == len(samples) // micro
+    if isinstance(state.model, DistributedDataParallel):
+        # Record in which micro-step each gradient bucket is all-reduced.
+        # No annotations: DDP compares them with GradBucket, and this module's are strings.
+        def counting_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
+            allreduce_micro_steps.append(engine._micro_steps)  # the micro-step in backward now
+            return allreduce_hook(process_group, bucket)
+
+        state.model.register_comm_hook(None, counting_allreduce)
     for start in range(0, len(samples), micro):
         out = lm_loss(state.model, pad_collate(samples[start : start + micro]))
         engine.backward(out["loss"], weight=out["num_tokens"] if token_weighted else None)
@@ -82,7 +95,7 @@ def _rank_grads(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     # Rank r takes every other sample: the two ranks together hold the same 8 samples.
     grads = _accumulated_grads(2, _samples()[rank::2], dp=2)
-    torch.save(grads, Path(out_dir) / f"grads_{rank}.pt")
+    torch.save((grads, allreduce_micro_steps), Path(out_dir) / f"grads_{rank}.pt")
 
 
 @pytest.mark.distributed
@@ -90,7 +103,10 @@ def test_two_ranks_with_accumulation_equal_one_big_batch(tmp_path: Path) -> None
     run_distributed(_rank_grads, 2, str(tmp_path))
     big = _accumulated_grads(8, _samples())
     for rank in range(2):
-        assert _max_diff(big, torch.load(tmp_path / f"grads_{rank}.pt")) <= TOLERANCE
+        grads, allreduce_micro_steps = torch.load(tmp_path / f"grads_{rank}.pt")
+        assert _max_diff(big, grads) <= TOLERANCE
+        # Accumulation 2: gradients cross ranks once (one bucket), in the second micro-step.
+        assert allreduce_micro_steps == [2]
 
 
 def test_trainer_losses_with_accumulation_match_one_big_batch(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from rapidformer.config.loading import parse_args
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed import process_group
-from rapidformer.engine.engine import RapidformerEngine
+from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.engine.state import TrainState
 from rapidformer.errors import CheckpointError, DataError
 from rapidformer.logging import MetricsLogger
@@ -132,18 +132,7 @@ class Trainer(ABC):
         metrics: dict[str, float] = {}
         for group in self._step_batches(state, progress, total_steps):
             state.model.train()
-            samples = tokens = 0
-            for index, batch in enumerate(group):
-                engine.begin_micro_step(last=index == len(group) - 1)
-                loss, num_tokens = _loss_and_tokens(
-                    self.train_step(move_to_device(batch, self.device))
-                )
-                samples += batch_size(batch)
-                tokens += int(num_tokens) if num_tokens is not None else 0
-                weight = num_tokens if num_tokens is not None else batch_size(batch)
-                engine.backward(loss, weight=weight)
-            result = engine.step()
-            assert result is not None
+            result, samples, tokens = self._train_one_step(group)
             progress.step += 1
             metrics = {"train_loss": result.loss}
             dp = engine.dims.dp  # equal shares per rank: global counts are dp x local ones
@@ -169,6 +158,22 @@ class Trainer(ABC):
                 save_checkpoint(cfg.checkpoint.save, progress.step, state, asdict(progress))
         logger.close()
         return metrics
+
+    def _train_one_step(self, group: list[Any]) -> tuple[StepResult, int, torch.Tensor | int]:
+        """Forward and backward every micro-batch of one step, then step the optimizer."""
+        samples = 0
+        tokens: torch.Tensor | int = 0
+        for index, batch in enumerate(group):
+            # Declared before the forward: under DDP that is when the all-reduce is decided.
+            self.engine.begin_micro_step(last=index == len(group) - 1)
+            loss, num_tokens = _loss_and_tokens(self.train_step(move_to_device(batch, self.device)))
+            size = batch_size(batch)
+            samples += size
+            tokens = tokens + (num_tokens if num_tokens is not None else 0)  # no host sync here
+            self.engine.backward(loss, weight=num_tokens if num_tokens is not None else size)
+        result = self.engine.step()
+        assert result is not None, "the last micro-batch was declared, so the step must run"
+        return result, samples, tokens
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Mean eval loss over this rank's share of the validation set, summed over ranks,
