@@ -13,6 +13,13 @@ What is timed (the headline "samples/s"): the training steps only.
     set-up lines after that hook (logging the plan, the resume check, creating the metrics
     logger) and the teardown (closing the logger) are charged to the Trainer, which can only
     make it look slower.
+
+Run-to-run noise on a shared two-core machine is a few percent. Part of it is glibc's malloc:
+depending on where small long-lived blocks land, freeing a step's activations may trim the
+heap, and the next step then page-faults the memory back in (hundreds of faults per step, on
+either side). ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1000000000`` in the
+environment stops that; the MALLOC_ variables set are recorded with the results.
+
 The Trainer runs without ``--save`` (nothing written to disk) and with a ``--log-interval``
 larger than the run, so the only log line inside the timed region is the one ``fit()`` always
 writes at the last step. The wall time of each whole run, set-up included, is reported too.
@@ -31,7 +38,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +69,21 @@ LAST_N = 20  # steps whose mean loss is compared (a single step's loss is noisy)
 
 
 @dataclass
+class Tally:
+    """Per-step bookkeeping, done identically on both sides at the same point (right after
+    the forward): keep the loss, count the input positions, stamp the time."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    stamps: list[float] = field(default_factory=list)
+
+    def record(self, batch: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+        self.losses.append(loss.detach())
+        self.tokens += batch["input_ids"].numel()
+
+
+@dataclass
 class RunResult:
     runner: str
     steps: int
@@ -71,6 +94,9 @@ class RunResult:
     """Seconds spent in the training steps (see the module docstring)."""
     total_s: float
     """Seconds for the whole run, set-up (model, optimizer, loaders) included."""
+    median_step_ms: float
+    """Median time from one step's stamp to the next: a steady-state step time that a burst
+    of load from other processes during part of the run barely moves."""
     final_loss: float
     mean_last_loss: float
 
@@ -84,19 +110,19 @@ def make_model() -> nn.Module:
     return TinyTransformerLM(VOCAB, HIDDEN, LAYERS, HEADS, max_positions=SEQ, dropout=0.0)
 
 
-def summarize(
-    runner: str, steps: int, tokens: int, loop_s: float, total_s: float, losses: list[torch.Tensor]
-) -> RunResult:
-    values = torch.stack(losses).tolist()
+def summarize(runner: str, tally: Tally, loop_s: float, total_s: float) -> RunResult:
+    values = torch.stack(tally.losses).tolist()
+    intervals = [b - a for a, b in pairwise(tally.stamps)]
     return RunResult(
-        runner,
-        steps,
-        steps * MICRO_BATCH,
-        tokens,
-        loop_s,
-        total_s,
-        values[-1],
-        statistics.fmean(values[-LAST_N:]),
+        runner=runner,
+        steps=len(values),
+        samples=len(values) * MICRO_BATCH,
+        tokens=tally.tokens,
+        loop_s=loop_s,
+        total_s=total_s,
+        median_step_ms=statistics.median(intervals) * 1e3,
+        final_loss=values[-1],
+        mean_last_loss=statistics.fmean(values[-LAST_N:]),
     )
 
 
@@ -107,8 +133,7 @@ class BenchTrainer(Trainer):
     def __init__(self, dataset: Dataset, argv: list[str]) -> None:
         super().__init__(argv=argv)
         self.dataset = dataset
-        self.losses: list[torch.Tensor] = []
-        self.tokens = 0
+        self.tally = Tally()
         self.setup_done = 0.0
 
     def build_model(self) -> nn.Module:
@@ -126,9 +151,7 @@ class BenchTrainer(Trainer):
     def train_step(self, batch: Any) -> dict[str, Any]:
         assert self.model is not None
         output = lm_loss(self.model, batch)
-        # Bookkeeping the hand loop does identically: keep the loss, count the positions.
-        self.losses.append(output["loss"].detach())
-        self.tokens += batch["input_ids"].numel()
+        self.tally.record(batch, output["loss"])
         return output
 
 
@@ -151,9 +174,7 @@ def run_trainer(dataset: Dataset, steps: int) -> RunResult:
     trainer.fit()
     end = time.perf_counter()
     trainer.engine.close()
-    return summarize(
-        "trainer", steps, trainer.tokens, end - trainer.setup_done, end - start, trainer.losses
-    )
+    return summarize("trainer", trainer.tally, end - trainer.setup_done, end - start)
 
 
 # ---- side B: the hand-written loop -------------------------------------------------------
@@ -174,25 +195,21 @@ def run_hand(dataset: Dataset, steps: int) -> RunResult:
     )
     # A constant learning rate needs no scheduler object in a hand-written loop.
     loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True, collate_fn=pad_collate)
-    losses: list[torch.Tensor] = []
-    tokens = 0
+    tally = Tally()
     model.train()
     loop_start = time.perf_counter()
-    step = 0
-    while step < steps:  # several epochs if steps asks for more than one
+    while len(tally.losses) < steps:  # several epochs if steps asks for more than one
         for batch in loader:
             loss = lm_loss(model, batch)["loss"]
+            tally.record(batch, loss)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            tokens += batch["input_ids"].numel()
-            step += 1
-            if step == steps:
+            if len(tally.losses) == steps:
                 break
     end = time.perf_counter()
-    return summarize("hand", steps, tokens, end - loop_start, end - start, losses)
+    return summarize("hand", tally, end - loop_start, end - start)
 
 
 # ---- reporting ---------------------------------------------------------------------------
@@ -213,6 +230,7 @@ def side_summary(runs: list[RunResult]) -> dict[str, Any]:
         "min_samples_per_s": min(rates),
         "max_samples_per_s": max(rates),
         "median_total_s": statistics.median(r.total_s for r in runs),
+        "median_step_ms": statistics.median(r.median_step_ms for r in runs),
         "tokens_per_run": sorted({r.tokens for r in runs}),
         "final_loss": [r.final_loss for r in runs],
         "mean_last_loss": [r.mean_last_loss for r in runs],
@@ -233,21 +251,28 @@ def write_markdown(result: dict[str, Any]) -> None:
         "pairs after one warm-up run of each. samples/s counts the training steps only; "
         "see `benchmarks/overhead.py` for exactly what each side's clock covers.",
         "",
-        "| runner | median samples/s | min | max | median run incl. set-up (s) "
-        f"| median loss, last {LAST_N} steps |",
-        "|---|---|---|---|---|---|",
+        "| runner | median samples/s | min | max | median step (ms) "
+        f"| median run incl. set-up (s) | mean loss, last {LAST_N} steps |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, side in (("Trainer", trainer), ("hand loop", hand)):
         lines.append(
             f"| {name} | {side['median_samples_per_s']:.1f} | {side['min_samples_per_s']:.1f} "
-            f"| {side['max_samples_per_s']:.1f} | {side['median_total_s']:.2f} "
+            f"| {side['max_samples_per_s']:.1f} | {side['median_step_ms']:.2f} "
+            f"| {side['median_total_s']:.2f} "
             f"| {statistics.median(side['mean_last_loss']):.4f} |"
         )
     lines += [
         "",
         f"**Ratio trainer / hand (medians): {result['ratio']:.3f}** (target >= 0.97); "
         f"median of the per-pair ratios: {result['median_pair_ratio']:.3f}; "
-        f"best run against best run: {result['best_ratio']:.3f}.",
+        f"best run against best run: {result['best_ratio']:.3f}; from the median step times "
+        f"(hand / trainer): {result['step_ratio']:.3f}.",
+        "",
+        "Noise: the hand loop's own runs span "
+        f"{hand['max_samples_per_s'] / hand['min_samples_per_s'] - 1:.1%} (fastest over "
+        "slowest), so a gap of a few percent between the sides can come and go from one run "
+        "of this script to the next.",
         "",
         "The losses differ slightly because the two sides shuffle with different generators "
         "(same initial weights, different batch order); each side's losses repeat exactly "
@@ -255,8 +280,9 @@ def write_markdown(result: dict[str, Any]) -> None:
         "",
         f"- Machine: {machine['cpu_count']} CPU cores ({machine['cpu']}), "
         f"{machine['torch_threads']} torch threads, torch {machine['torch']}, "
-        f"Python {machine['python']}; load average {machine['loadavg_start']} at the start, "
-        f"{machine['loadavg_end']} at the end (other jobs shared the cores).",
+        f"Python {machine['python']}; this machine's load average {machine['loadavg_start']} "
+        f"at the start, {machine['loadavg_end']} at the end. Other jobs may share the "
+        "physical cores without showing in it: compare the min/max spread.",
         f"- Date: {result['date']}",
         f"- Reproduce: `{result['command']}`",
         "",
@@ -268,7 +294,7 @@ def write_markdown(result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
-    parser.add_argument("--pairs", type=int, default=7, help="interleaved trainer/hand pairs")
+    parser.add_argument("--pairs", type=int, default=10, help="interleaved trainer/hand pairs")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -280,6 +306,7 @@ def main() -> None:
         parser.error(f"need --steps >= {LAST_N} and --pairs >= 1")
 
     loadavg_start = os.getloadavg()
+    malloc_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
     dataset = MarkovLMDataset(NUM_SAMPLES, VOCAB, SEQ, SEQ, seed=1)
     # Warm-up: first-call costs (lazy imports, kernel selection, allocator growth) go here.
     run_trainer(dataset, steps)
@@ -287,13 +314,14 @@ def main() -> None:
     runs: dict[str, list[RunResult]] = {"trainer": [], "hand": []}
     for pair in range(pairs):
         for runner in (run_trainer, run_hand):
-            result = runner(dataset, steps)
-            runs[result.runner].append(result)
+            run = runner(dataset, steps)
+            runs[run.runner].append(run)
             print(
-                f"pair {pair + 1}/{pairs} {result.runner:7s} {result.samples_per_s:8.1f} "
-                f"samples/s  loop {result.loop_s:6.2f} s  total {result.total_s:6.2f} s  "
-                f"final loss {result.final_loss:.4f}  last-{LAST_N} mean "
-                f"{result.mean_last_loss:.4f}",
+                f"pair {pair + 1}/{pairs} {run.runner:7s} {run.samples_per_s:8.1f} "
+                f"samples/s  step {run.median_step_ms:6.2f} ms  loop {run.loop_s:6.2f} s  "
+                f"total {run.total_s:6.2f} s  "
+                f"final loss {run.final_loss:.4f}  last-{LAST_N} mean "
+                f"{run.mean_last_loss:.4f}",
                 flush=True,
             )
 
@@ -309,6 +337,7 @@ def main() -> None:
         "median_pair_ratio": statistics.median(pair_ratios),
         # The fastest run of each side is the one least disturbed by other jobs.
         "best_ratio": trainer["max_samples_per_s"] / hand["max_samples_per_s"],
+        "step_ratio": hand["median_step_ms"] / trainer["median_step_ms"],
         "trainer": trainer,
         "hand": hand,
         "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
@@ -316,16 +345,19 @@ def main() -> None:
                    "lr": LR, "weight_decay": WEIGHT_DECAY, "clip": CLIP, "seed": SEED},
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version(),
+                    "python": platform.python_version(), "malloc_env": malloc_env,
                     "loadavg_start": [round(x, 2) for x in loadavg_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "benchmarks/overhead.py", *sys.argv[1:]]),
+        # glibc's malloc tuning changes the page faults each step pays (see the docstring).
+        "command": " ".join([*(f"{k}={v}" for k, v in malloc_env.items()), ".venv/bin/python",
+                             "benchmarks/overhead.py", *sys.argv[1:]]),
     }  # fmt: skip
     print(
         f"trainer median {trainer['median_samples_per_s']:.1f} samples/s, hand median "
         f"{hand['median_samples_per_s']:.1f} samples/s, ratio {result['ratio']:.3f} "
-        f"(per-pair median {result['median_pair_ratio']:.3f}, best/best {result['best_ratio']:.3f})"
+        f"(per-pair median {result['median_pair_ratio']:.3f}, best/best "
+        f"{result['best_ratio']:.3f}, median step times {result['step_ratio']:.3f})"
     )
     print(
         f"mean loss of the last {LAST_N} steps: trainer "

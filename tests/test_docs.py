@@ -27,6 +27,12 @@ def test_every_switch_is_in_the_feature_table_with_its_true_status() -> None:
     for spec in all_fields():
         if spec.name in NOT_AVAILABLE:
             assert rows.get(spec.flag, "").startswith("not available yet"), spec.flag
-    for flag in ("--mixed-precision", "--checkpoint-activations", "--global-batch-size",
-                 "--save", "--load", "--precision"):
+    for flag in (
+        "--mixed-precision",
+        "--checkpoint-activations",
+        "--global-batch-size",
+        "--save",
+        "--load",
+        "--precision",
+    ):
         assert rows[flag].startswith("works"), flag

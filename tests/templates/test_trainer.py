@@ -15,8 +15,16 @@ from tests.conftest import read_losses, tiny_trainer
 
 def test_epochs_visit_every_sample_once_per_epoch_with_a_short_last_step(tmp_path: Path) -> None:
     # 64 samples, micro 4, global 12: 5 full steps and one 1-micro-batch step per epoch.
-    trainer = tiny_trainer("--epochs", "2", "--micro-batch-size", "4", "--global-batch-size", "12",
-                           "--save", str(tmp_path))
+    trainer = tiny_trainer(
+        "--epochs",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "12",
+        "--save",
+        str(tmp_path),
+    )
     seen: Counter[bytes] = Counter()
     original = trainer.train_step
 

@@ -57,7 +57,7 @@ def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: Parallel
         PlanStep(
             "optimizer",
             implementation,
-            f"apex_adam; weight decay {config.training.weight_decay} on "
+            f"for --optimizers apex_adam; weight decay {config.training.weight_decay} on "
             f"{decayed}/{total} parameters (biases and norms excluded)",
         )
     )

@@ -97,10 +97,12 @@ class RapidformerEngine:
         self._owns_process_group = process_group.init_process_group(env, self.device)
         self.accumulation_steps = self.dims.accumulation_steps(config)
         self.state: TrainState | None = None
+        self._parameters: list[nn.Parameter] = []
         # Per-step accumulation state (reset after every optimizer step):
         self._micro_steps = 0
         self._ready = False
-        self._reference = torch.ones((), device=self.device)
+        self._one = torch.ones((), device=self.device)
+        self._reference = self._one
         self._totals = torch.zeros(2, device=self.device)  # [weight, weight x loss] so far
         self._step_totals = self._totals  # the same, summed over ranks, once the step is ready
         self._last_armed = self.accumulation_steps == 1
@@ -136,6 +138,7 @@ class RapidformerEngine:
         if lr_scheduler_fn is not None and state.optimizer is not None:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
         self.state = state
+        self._parameters = list(state.model.parameters())  # clipped every step
         self._arm(self.accumulation_steps == 1)
         self.log_plan()
         return state
@@ -207,9 +210,10 @@ class RapidformerEngine:
         scaler = state.grad_scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
-        params = [p for p in state.model.parameters() if p.grad is not None]
         clip = self.config.training.clip_grad
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self._parameters, clip if clip > 0 else float("inf")
+        )
         lr = optimizer.param_groups[0]["lr"]
         skipped = False
         if scaler is not None:
@@ -249,9 +253,8 @@ class RapidformerEngine:
     def _reset_accumulation(self) -> None:
         self._micro_steps = 0
         self._ready = False
-        self._reference = torch.ones((), device=self.device)
-        self._totals = torch.zeros(2, device=self.device)
-        self._step_totals = self._totals
+        self._reference = self._one
+        self._totals.zero_()  # safe: the step's totals were all-reduced into a copy
 
     def _scaled(self, state: TrainState, loss: torch.Tensor) -> torch.Tensor:
         return state.grad_scaler.scale(loss) if state.grad_scaler is not None else loss

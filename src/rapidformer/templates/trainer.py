@@ -130,8 +130,8 @@ class Trainer(ABC):
             start_step=progress.step,
         )
         metrics: dict[str, float] = {}
+        state.model.train()  # evaluate() switches to eval mode and back
         for group in self._step_batches(state, progress, total_steps):
-            state.model.train()
             result, samples, tokens = self._train_one_step(group)
             progress.step += 1
             metrics = {"train_loss": result.loss}
@@ -204,6 +204,7 @@ class Trainer(ABC):
                     outputs.append(output if isinstance(output, Mapping) else {"loss": output})
         finally:
             self.model = training_model
+            state.model.train()
         process_group.all_reduce_sum(totals)
         weight_sum, loss_sum = totals.tolist()
         return {"eval_loss": loss_sum / max(weight_sum, 1e-12), **self.compute_metrics(outputs)}

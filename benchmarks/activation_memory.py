@@ -1,0 +1,282 @@
+"""Activation memory: peak memory of training with and without ``--checkpoint-activations``.
+
+Each run is a fresh child process (``sys.executable``), so one run's peak cannot hide the
+next's, and the children run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then serves every
+block above 128 KiB with its own mmap and unmaps it on free, so activation buffers go back to
+the kernel after each step and the peak resident set tracks the live activations instead of
+the allocator's high-water mark.
+
+A child trains a TinyTransformerLM whose activations dominate its memory (hidden 256,
+8 layers, micro batch 32 x 256 tokens, vocab 64, dropout 0) for a few steps through the
+rapidformer Trainer and reports the *training peak increment*: peak RSS (``ru_maxrss``) minus
+the RSS measured once the model, optimizer and data loader exist, before the first step. The
+increment therefore holds activations, gradients and the AdamW state (created at the first
+step), which are the same in both configurations; only the activations differ. The losses of
+every step must match exactly: checkpointing recomputes, it must not change the numbers.
+
+    .venv/bin/python benchmarks/activation_memory.py            # full run, writes result files
+    .venv/bin/python benchmarks/activation_memory.py --quick    # smoke test, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from rapidformer import DataBundle, Trainer
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_JSON = ROOT / "benchmarks" / "results" / "activation_memory.json"
+RESULTS_MD = ROOT / "docs" / "results" / "activation_memory.md"
+
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO_BATCH = 64, 256, 8, 4, 256, 32
+MMAP_THRESHOLD = "131072"
+RESULT_PREFIX = "RESULT "  # marks the child's one line of JSON among anything else it prints
+
+
+# ---- the child: one training run ---------------------------------------------------------
+def rss_kib() -> int:
+    """This process's resident set now, in KiB (``ru_maxrss`` only gives the peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status (this benchmark needs Linux)")
+
+
+def peak_rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+class MemoryTrainer(Trainer):
+    """Takes the baseline once set-up is done and keeps every step's loss."""
+
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__(argv=argv)
+        self.losses: list[float] = []
+        self.baseline_kib = 0
+        self.peak_before_kib = 0
+        self.setup_done = 0.0
+
+    def build_model(self) -> nn.Module:
+        return TinyTransformerLM(VOCAB, HIDDEN, LAYERS, HEADS, max_positions=SEQ, dropout=0.0)
+
+    def build_data(self) -> DataBundle:
+        # Full-length samples only: every batch is micro x SEQ, so every step holds the same
+        # activations and the peak does not depend on which samples a step draws.
+        samples = self.config.data.micro_batch_size * (self.config.training.train_iters or 1)
+        return DataBundle(
+            train=MarkovLMDataset(samples, VOCAB, SEQ, SEQ, seed=1), collate_fn=pad_collate
+        )
+
+    def build_lr_scheduler(self, optimizer: Optimizer, total_steps: int) -> LRScheduler:
+        # fit() calls this last in set-up: model, optimizer and loaders exist, no step ran yet.
+        scheduler = super().build_lr_scheduler(optimizer, total_steps)
+        gc.collect()
+        self.baseline_kib = rss_kib()
+        self.peak_before_kib = peak_rss_kib()
+        self.setup_done = time.perf_counter()
+        return scheduler
+
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        assert self.model is not None
+        output = lm_loss(self.model, batch)
+        self.losses.append(output["loss"].item())
+        return output
+
+
+def child(checkpoint: bool, steps: int) -> None:
+    argv = [
+        "--train-iters", str(steps), "--micro-batch-size", str(MICRO_BATCH),
+        "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", str(10 * steps),
+        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+        "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+        "--max-position-embeddings", str(SEQ),
+    ]  # fmt: skip
+    if checkpoint:
+        argv.append("--checkpoint-activations")
+    trainer = MemoryTrainer(argv)
+    trainer.fit()
+    end = time.perf_counter()
+    peak = peak_rss_kib()
+    assert trainer.engine.state is not None
+    result = {
+        "checkpoint_activations": checkpoint,
+        "plan": [str(step) for step in trainer.engine.state.plan],
+        "baseline_mib": trainer.baseline_kib / 1024,
+        "peak_mib": peak / 1024,
+        "peak_increment_mib": (peak - trainer.baseline_kib) / 1024,
+        # If the process peaked before training (it should not), the increment is too low.
+        "peak_rose_in_training": peak > trainer.peak_before_kib,
+        "seconds_per_step": (end - trainer.setup_done) / steps,
+        "losses": trainer.losses,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+    trainer.engine.close()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---- the parent: interleaved child runs and the report -----------------------------------
+def run_child(checkpoint: bool, steps: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", "--steps", str(steps)]
+    if checkpoint:
+        command.append("--checkpoint-activations")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"child {command} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "median_peak_increment_mib": statistics.median(r["peak_increment_mib"] for r in runs),
+        "median_baseline_mib": statistics.median(r["baseline_mib"] for r in runs),
+        "median_peak_mib": statistics.median(r["peak_mib"] for r in runs),
+        "median_seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs),
+        "runs": runs,
+    }
+
+
+def max_loss_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    """Largest |difference| between any step's loss in any run of ``a`` and of ``b``."""
+    return max(
+        abs(x - y)
+        for run_a in a
+        for run_b in b
+        for x, y in zip(run_a["losses"], run_b["losses"], strict=True)
+    )
+
+
+def write_markdown(result: dict[str, Any]) -> None:
+    plain, ckpt = result["plain"], result["checkpointed"]
+    lines = [
+        "# Activation memory with and without `--checkpoint-activations`",
+        "",
+        f"TinyTransformerLM hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads, micro batch "
+        f"{MICRO_BATCH} x {SEQ} tokens, vocab {VOCAB}, dropout 0, fp32, trained "
+        f"{result['steps']} steps through the rapidformer Trainer on the CPU. Each run is its own "
+        f"process with `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}`; {result['repeats']} runs per "
+        "configuration, interleaved, medians shown. *Peak increment* = peak RSS (`ru_maxrss`) "
+        "minus RSS after model, optimizer and data loader creation, before the first step: "
+        "activations plus gradients plus AdamW state (the last two equal in both).",
+        "",
+        "| configuration | peak increment (MiB) | RSS before training (MiB) | peak RSS (MiB) "
+        "| s / step |",
+        "|---|---|---|---|---|",
+    ]
+    for name, side in (("plain", plain), ("--checkpoint-activations", ckpt)):
+        lines.append(
+            f"| {name} | {side['median_peak_increment_mib']:.0f} "
+            f"| {side['median_baseline_mib']:.0f} | {side['median_peak_mib']:.0f} "
+            f"| {side['median_seconds_per_step']:.2f} |"
+        )
+    lines += [
+        "",
+        f"**Peak increment ratio checkpointed / plain: {result['ratio']:.3f}** "
+        f"({result['saved_mib']:.0f} MiB less). Largest difference between any step's loss "
+        f"with and without checkpointing: {result['max_abs_loss_diff']:.3g}.",
+        "",
+        "s / step covers every step, the first included, and the page faults that the mmap "
+        "threshold adds to every large allocation: it shows the recompute cost roughly, it is "
+        "not a speed benchmark.",
+        "",
+        f"- Machine: {result['machine']['cpu_count']} CPU cores, "
+        f"{result['machine']['torch_threads']} torch threads, torch {result['machine']['torch']}, "
+        f"Python {result['machine']['python']}.",
+        f"- Date: {result['date']}",
+        f"- Reproduce: `{result['command']}`",
+        "",
+    ]
+    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_MD.write_text("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test (2 steps, 1 run each); prints, writes no files",
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-activations", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.checkpoint_activations, args.steps)
+        return
+    steps, repeats = (2, 1) if args.quick else (args.steps, args.repeats)
+
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for repeat in range(repeats):
+        for checkpoint in (False, True):  # interleaved: slow drift hits both alike
+            run = run_child(checkpoint, steps)
+            runs[checkpoint].append(run)
+            print(
+                f"run {repeat + 1}/{repeats} checkpoint={checkpoint!s:5s} "
+                f"peak increment {run['peak_increment_mib']:7.1f} MiB  "
+                f"(RSS {run['baseline_mib']:.0f} -> peak {run['peak_mib']:.0f} MiB)  "
+                f"{run['seconds_per_step']:.2f} s/step  losses "
+                + " ".join(f"{loss:.6f}" for loss in run["losses"]),
+                flush=True,
+            )
+            if not run["peak_rose_in_training"]:
+                print("  WARNING: the process peaked before training; the increment is a floor")
+            if checkpoint and not any("checkpointing" in step for step in run["plan"]):
+                sys.exit(f"--checkpoint-activations did not show in the plan: {run['plan']}")
+
+    plain, ckpt = summary(runs[False]), summary(runs[True])
+    ratio = ckpt["median_peak_increment_mib"] / plain["median_peak_increment_mib"]
+    result = {
+        "steps": steps,
+        "repeats": repeats,
+        "ratio": ratio,
+        "saved_mib": plain["median_peak_increment_mib"] - ckpt["median_peak_increment_mib"],
+        "max_abs_loss_diff": max_loss_diff(runs[False], runs[True]),
+        "plain": plain,
+        "checkpointed": ckpt,
+        "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
+                   "seq_length": SEQ, "micro_batch": MICRO_BATCH,
+                   "malloc_mmap_threshold": MMAP_THRESHOLD},
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version()},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "benchmarks/activation_memory.py",
+                             *sys.argv[1:]]),
+    }  # fmt: skip
+    print(
+        f"median peak increment: plain {plain['median_peak_increment_mib']:.1f} MiB, "
+        f"checkpointed {ckpt['median_peak_increment_mib']:.1f} MiB, ratio {ratio:.3f}; "
+        f"max |loss difference| {result['max_abs_loss_diff']:.3g}"
+    )
+    if result["max_abs_loss_diff"] != 0.0:
+        print("WARNING: the losses differ with checkpointing")
+    if args.quick:
+        return
+    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_JSON.write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result)
+    print(f"wrote {RESULTS_JSON.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
