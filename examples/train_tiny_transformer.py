@@ -49,6 +49,7 @@ DEFAULTS = [
 class DemoTrainer(Trainer):
     vocab_size = 64
     dropout = 0.1
+    train_samples, valid_samples = 2048, 256
 
     def build_model(self) -> nn.Module:
         model = self.config.model
@@ -64,8 +65,8 @@ class DemoTrainer(Trainer):
     def build_data(self) -> DataBundle:
         length = self.config.model.seq_length or 32
         return DataBundle(
-            train=MarkovLMDataset(2048, self.vocab_size, length // 4, length, seed=1),
-            valid=MarkovLMDataset(256, self.vocab_size, length // 4, length, seed=2),
+            train=MarkovLMDataset(self.train_samples, self.vocab_size, length // 4, length, seed=1),
+            valid=MarkovLMDataset(self.valid_samples, self.vocab_size, length // 4, length, seed=2),
             collate_fn=pad_collate,
         )
 

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from rapidformer import DataBundle
 from rapidformer.cli import load_trainer_class
 
-_Demo = load_trainer_class(
-    str(Path(__file__).resolve().parents[2] / "examples" / "train_tiny_transformer.py")
-)
+_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_transformer.py"
+_Demo = load_trainer_class(str(_EXAMPLE))
 
 
 class DeterministicTrainer(_Demo):  # type: ignore[valid-type, misc]
     dropout = 0.0
-
-    def build_data(self) -> DataBundle:
-        bundle = super().build_data()
-        bundle.train = torch.utils.data.Subset(bundle.train, range(64))
-        bundle.valid = torch.utils.data.Subset(bundle.valid, range(32))
-        return bundle
+    train_samples, valid_samples = 64, 32

@@ -2,21 +2,31 @@
 
 A user's DataLoader is rebuilt around :class:`ResumableDistributedSampler` with the same
 dataset, batch size, collate function and workers. Shuffling is kept if the user's loader
-shuffled. Evaluation loaders are sharded without shuffling and without trimming, so that every
-validation sample is scored exactly once over all ranks.
+shuffled. With ``--data-iterator dynamic-shape`` the sampler groups similar lengths and the
+collate function pads to a few bucket lengths (see :mod:`rapidformer.data.dynamic_shape`).
+Evaluation loaders are sharded without shuffling and without trimming, so that every validation
+sample is scored exactly once over all ranks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from rapidformer.config.schema import RapidformerConfig
+from rapidformer.data.dynamic_shape import (
+    BucketCollate,
+    LengthGroupedSampler,
+    accepts_pad_to,
+    bucket_lengths,
+)
 from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.errors import ConfigError
 
 
 class EvalShardSampler(ResumableDistributedSampler):
@@ -29,11 +39,13 @@ class EvalShardSampler(ResumableDistributedSampler):
         return len(self._rank_indices())
 
 
-def rebuild_loader(loader: DataLoader, sampler: ResumableDistributedSampler) -> DataLoader:
-    """The same loader, reading through ``sampler``."""
+def rebuild_loader(
+    loader: DataLoader, sampler: ResumableDistributedSampler, collate_fn: Any = None
+) -> DataLoader:
+    """The same loader, reading through ``sampler`` (and ``collate_fn`` when given)."""
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size,
-        "collate_fn": loader.collate_fn,
+        "collate_fn": collate_fn or loader.collate_fn,
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
@@ -49,17 +61,13 @@ def rebuild_loader(loader: DataLoader, sampler: ResumableDistributedSampler) -> 
 
 def apply_data(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
     train = state.train_dataloader
+    shape = "fixed shape (as the collate function pads)"
     if train is not None and not isinstance(train.sampler, ResumableDistributedSampler):
         if train.batch_size is None:
             raise ValueError("compose() needs a DataLoader with a batch_size (not a batch_sampler)")
-        sampler = ResumableDistributedSampler(
-            len(train.dataset),  # type: ignore[arg-type]
-            dp_rank=dims.dp_rank,
-            dp_size=dims.dp,
-            shuffle=isinstance(train.sampler, RandomSampler),
-            seed=config.training.seed,
-        )
-        state.train_dataloader = rebuild_loader(train, sampler)
+        shuffle = isinstance(train.sampler, RandomSampler)
+        sampler, collate_fn, shape = _train_order(train, config, dims, shuffle)
+        state.train_dataloader = rebuild_loader(train, sampler, collate_fn)
     evaluation = state.eval_dataloader
     if (
         evaluation is not None
@@ -80,7 +88,44 @@ def apply_data(state: TrainState, config: RapidformerConfig, dims: ParallelDims)
                 "data",
                 "resumable distributed sampler",
                 f"micro batch {config.data.micro_batch_size} x dp {dims.dp} x accumulation "
-                f"{accumulation} = global batch {dims.global_batch_size(config)}; fixed shape",
+                f"{accumulation} = global batch {dims.global_batch_size(config)}; {shape}",
             )
         )
     return state
+
+
+def _train_order(
+    train: DataLoader, config: RapidformerConfig, dims: ParallelDims, shuffle: bool
+) -> tuple[ResumableDistributedSampler, Any, str]:
+    """The training sampler and collate function for the chosen --data-iterator, and a line
+    for the plan saying what it does."""
+    common: dict[str, Any] = {
+        "dp_rank": dims.dp_rank, "dp_size": dims.dp, "shuffle": shuffle,
+        "seed": config.training.seed,
+    }  # fmt: skip
+    fixed = ResumableDistributedSampler(len(train.dataset), **common)  # type: ignore[arg-type]
+    if config.data.data_iterator == "fixed-shape":
+        return fixed, None, "fixed shape (as the collate function pads)"
+    lengths = getattr(train.dataset, "lengths", None)
+    if lengths is None or not accepts_pad_to(train.collate_fn):
+        raise ConfigError.single(
+            "--data-iterator", "dynamic-shape",
+            "needs a training dataset with a `lengths` attribute (tokens per sample) and a "
+            "collate function that takes a `pad_to` keyword",
+            "provide both from build_data() (rapidformer's templates do), or use fixed-shape",
+        )  # fmt: skip
+    lengths = np.asarray(lengths)
+    if lengths.min() == lengths.max():
+        return (
+            fixed,
+            None,
+            (
+                f"fixed shape: dynamic-shape requested, but every sample has {lengths[0]} tokens, "
+                "so there is no padding to save; falling back"
+            ),
+        )
+    seq_length = config.model.seq_length or int(lengths.max())
+    buckets = bucket_lengths(seq_length)
+    sampler = LengthGroupedSampler(lengths, config.data.micro_batch_size, **common)
+    shape = f"dynamic shape: length-grouped batches padded to {len(buckets)} buckets {buckets}"
+    return sampler, BucketCollate(train.collate_fn, buckets), shape

@@ -23,7 +23,6 @@ NOT_AVAILABLE: dict[str, str] = {
     "zero_3_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
     "cpu_offload": "CPU offload (issue #5)",
     "onnx_runtime_training": "ONNX Runtime training (issue #6)",
-    "data_iterator": "the dynamic-shape data iterator (issue #3)",
     "tensor_model_parallel_size": "tensor parallelism",
     "pipeline_model_parallel_size": "pipeline parallelism",
     "num_experts": "mixture of experts",
@@ -32,7 +31,7 @@ NOT_AVAILABLE: dict[str, str] = {
 """Switches parsed and validated now but implemented by a later issue: field -> what is
 missing. A value other than the field's default is rejected until the entry is removed."""
 
-_INACTIVE = {"data_iterator": ("fixed-shape",), "num_experts": (None, 1)}
+_INACTIVE = {"num_experts": (None, 1)}
 """Values of a NOT_AVAILABLE field that do not ask for the missing feature (besides the
 default)."""
 

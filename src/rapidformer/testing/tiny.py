@@ -95,6 +95,8 @@ class MarkovLMDataset(Dataset):
             for choice in choices:
                 tokens.append(int(successors[tokens[-1], choice]))
             self.samples.append(torch.tensor(tokens))
+        self.lengths = [len(sample) - 1 for sample in self.samples]
+        """Tokens per item (the dynamic-shape iterator groups by them)."""
 
     def __len__(self) -> int:
         return len(self.samples)
