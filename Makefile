@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
+	rm -rf demo_output
+	# 1. white-box: a Trainer subclass on generated data
 	$(PY) examples/train_tiny_transformer.py --save demo_output/tiny
+	# 2. black-box pretraining: corpus -> vocabulary -> .bin/.idx -> GPT -> Hugging Face export
+	$(PY) examples/pretrain_gpt.py --out demo_output/pretrain
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
@@ -40,6 +44,8 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/activation_memory.py
+	$(PY) benchmarks/dynamic_shape.py
+	$(PY) benchmarks/preprocess_throughput.py
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .mypy_cache .ruff_cache

@@ -2,8 +2,15 @@
 
 from rapidformer.config import RapidformerConfig, parse_args
 from rapidformer.engine import RapidformerEngine
-from rapidformer.templates import DataBundle, Trainer
+from rapidformer.templates import DataBundle, Pretrainer, Trainer
 
 __version__ = "0.1.0"
 
-__all__ = ["DataBundle", "RapidformerConfig", "RapidformerEngine", "Trainer", "parse_args"]
+__all__ = [
+    "DataBundle",
+    "Pretrainer",
+    "RapidformerConfig",
+    "RapidformerEngine",
+    "Trainer",
+    "parse_args",
+]

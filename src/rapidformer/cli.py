@@ -1,8 +1,8 @@
 """The black-box entry point: ``rapidformer [flags]`` or ``python -m rapidformer [flags]``.
 
-``--user-script FILE`` runs the Trainer subclass defined in FILE with the same flags; the
-built-in templates for ``--task pretraining`` and the fine-tuning tasks arrive with their
-issues and say so until then.
+``--user-script FILE`` runs the Trainer subclass defined in FILE with the same flags;
+``--task pretraining`` runs the Pretrainer; the fine-tuning tasks arrive with the Finetuner
+(issue #4) and say so until then.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from rapidformer.errors import ConfigError, RapidformerError, Violation
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.templates.trainer import Trainer
 
-_TEMPLATE_ISSUES = {
-    "pretraining": "the Pretrainer template (issue #3)",
-}
 _FINETUNE = "the Finetuner template (issue #4)"
 
 
@@ -68,11 +65,14 @@ def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
             "a black-box run needs a task",
             "pass --task TASK, or --user-script FILE with your Trainer",
         )
-    missing = _TEMPLATE_ISSUES.get(task, _FINETUNE)
+    if task == "pretraining":
+        from rapidformer.templates.pretrainer import Pretrainer  # imports the data stack
+
+        return Pretrainer
     raise ConfigError.single(
         "--task",
         task,
-        f"not available yet: {missing} has not landed in this version",
+        f"not available yet: {_FINETUNE} has not landed in this version",
         "run your own Trainer subclass with --user-script FILE",
     )
 
@@ -80,15 +80,17 @@ def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
 def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
     """The Trainer class to run, after checking the flags: every problem at once."""
     violations: list[Violation] = []
-    try:
-        validate(config, LaunchEnv.read().world_size, builds_optimizer=False)
-    except ConfigError as exc:
-        violations.extend(exc.violations)
+    trainer_class: type[Trainer] | None = None
     try:
         trainer_class = trainer_class_for(config)
     except ConfigError as exc:
         violations.extend(exc.violations)
-    if violations:
+    extra = trainer_class.config_violations(config) if trainer_class is not None else []
+    try:
+        validate(config, LaunchEnv.read().world_size, builds_optimizer=False, extra=extra)
+    except ConfigError as exc:
+        violations.extend(exc.violations)
+    if violations or trainer_class is None:
         raise ConfigError(violations)
     return trainer_class
 

@@ -79,6 +79,9 @@ class ModelConfig:
     """Longest sequence the position embeddings cover."""
     seq_length: int | None = None
     """Sequence length of the training samples."""
+    hidden_dropout: float = 0.1
+    """Dropout probability inside the built-in GPT and BERT models (0 makes runs exactly
+    comparable across data-parallel sizes)."""
 
 
 @dataclass(frozen=True, kw_only=True)

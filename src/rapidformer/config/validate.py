@@ -7,7 +7,7 @@ landed yet are violations too (``NOT_AVAILABLE``), so no flag is ever accepted a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from rapidformer.config.fields import all_fields
 from rapidformer.config.schema import RapidformerConfig
@@ -45,18 +45,21 @@ def validate(
     rank: int = 0,
     builds_optimizer: bool = True,
     runs_loop: bool = True,
+    extra: Iterable[Violation] = (),
 ) -> ParallelDims:
     """Check every rule; return the parallel degrees or raise one error listing all
     violations.
 
     ``builds_optimizer`` is False when the caller supplies its own optimizer, which makes
     ``--lr`` optional; ``runs_loop`` is False for a hand-written loop driving the engine, which
-    makes ``--train-iters``/``--epochs`` optional.
+    makes ``--train-iters``/``--epochs`` optional; ``extra`` are a template's own violations,
+    reported together with these.
     """
     dims = ParallelDims.from_config(config, world_size, rank)
     violations = [v for rule in RULES for v in rule(config, dims)]
     if runs_loop:
         violations.extend(_duration(config))
+    violations.extend(extra)
     if builds_optimizer and config.training.lr is None:
         violations.append(
             Violation(
@@ -219,6 +222,8 @@ def _model_shape(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Viol
             f"must be divisible by --tensor-model-parallel-size ({dims.tp})",
             "choose a head count that is a multiple of the tensor-parallel size",
         )
+    if not 0.0 <= model.hidden_dropout < 1.0:
+        yield Violation("--hidden-dropout", model.hidden_dropout, "must lie in [0, 1)", "e.g. 0.1")
     seq, positions = model.seq_length, model.max_position_embeddings
     if seq is not None and positions is not None and seq > positions:
         yield Violation(

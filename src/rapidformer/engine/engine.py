@@ -18,7 +18,7 @@ micro-batches hold different numbers of tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ from rapidformer.config.schema import RapidformerConfig
 from rapidformer.config.validate import validate
 from rapidformer.distributed import process_group
 from rapidformer.engine.state import TrainState
+from rapidformer.errors import Violation
 from rapidformer.logging import log, setup_console_logging
 
 # The canonical order. Each step's position is deliberate:
@@ -75,11 +76,17 @@ class RapidformerEngine:
     """Applies the accelerations the config enables; see the module docstring."""
 
     def __init__(
-        self, config: RapidformerConfig, *, builds_optimizer: bool = False, runs_loop: bool = False
+        self,
+        config: RapidformerConfig,
+        *,
+        builds_optimizer: bool = False,
+        runs_loop: bool = False,
+        extra_violations: Iterable[Violation] = (),
     ) -> None:
         """``builds_optimizer``/``runs_loop``: whether compose() will build the optimizer and
         whether rapidformer's loop decides the run length (both True for the templates); they
-        make ``--lr`` and ``--train-iters``/``--epochs`` required."""
+        make ``--lr`` and ``--train-iters``/``--epochs`` required. ``extra_violations``: a
+        template's own rule violations, reported with the general ones."""
         env = LaunchEnv.read()
         # Validation first: a bad combination must fail before any process group exists.
         self.dims = validate(
@@ -88,6 +95,7 @@ class RapidformerEngine:
             rank=env.rank,
             builds_optimizer=builds_optimizer,
             runs_loop=runs_loop,
+            extra=extra_violations,
         )
         self.config = config
         self.env = env

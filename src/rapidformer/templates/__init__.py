@@ -1,5 +1,6 @@
 """Code templates: subclass one and override its hooks."""
 
+from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.templates.trainer import DataBundle, Trainer
 
-__all__ = ["DataBundle", "Trainer"]
+__all__ = ["DataBundle", "Pretrainer", "Trainer"]

@@ -29,7 +29,7 @@ from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.engine.state import TrainState
-from rapidformer.errors import CheckpointError, DataError
+from rapidformer.errors import CheckpointError, DataError, Violation
 from rapidformer.logging import MetricsLogger
 from rapidformer.schedules import build_lr_scheduler
 
@@ -66,11 +66,19 @@ class Trainer(ABC):
         # A subclass that builds its own optimizer does not need --lr.
         builds_optimizer = type(self).build_optimizer is Trainer.build_optimizer
         self.engine = RapidformerEngine(
-            self.config, builds_optimizer=builds_optimizer, runs_loop=True
+            self.config,
+            builds_optimizer=builds_optimizer,
+            runs_loop=True,
+            extra_violations=self.config_violations(self.config),
         )
         self.device = self.engine.device
         self.model: nn.Module | None = None
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
+
+    @classmethod
+    def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
+        """Rules this template adds to the general ones (reported with them, all at once)."""
+        return []
 
     # ---- hooks ---------------------------------------------------------------------------
     @abstractmethod
@@ -155,7 +163,8 @@ class Trainer(ABC):
             if cfg.checkpoint.save and (
                 last_step or _due(progress.step, cfg.checkpoint.save_interval)
             ):
-                save_checkpoint(cfg.checkpoint.save, progress.step, state, asdict(progress))
+                record = {**asdict(progress), "config": cfg.to_dict()}  # export needs the config
+                save_checkpoint(cfg.checkpoint.save, progress.step, state, record)
         logger.close()
         return metrics
 

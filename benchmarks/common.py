@@ -1,0 +1,71 @@
+"""What every benchmark records besides its numbers: the machine, the date, the command, and
+the two result files (JSON for tools, Markdown for docs/results/)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def stamp(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` plus machine, date and the command that reproduces it."""
+    script = Path(sys.argv[0]).resolve().relative_to(ROOT)
+    return {
+        **result,
+        "machine": machine_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", str(script), *sys.argv[1:]]),
+    }
+
+
+def footer(result: dict[str, Any]) -> list[str]:
+    machine = result["machine"]
+    device = machine["cuda"] or f"{machine['cpu_count']} CPU cores ({machine['cpu']})"
+    return [
+        f"- Machine: {device}, {machine['torch_threads']} torch threads, torch "
+        f"{machine['torch']}, Python {machine['python']}.",
+        f"- Date: {result['date']}",
+        f"- Reproduce: `{result['command']}`",
+        "",
+    ]
+
+
+def write_results(name: str, result: dict[str, Any], markdown: list[str]) -> None:
+    """benchmarks/results/NAME.json and docs/results/NAME.md (with the footer appended)."""
+    json_path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    md_path = ROOT / "docs" / "results" / f"{name}.md"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path.write_text("\n".join([*markdown, "", *footer(result)]))
+    print(f"wrote {json_path.relative_to(ROOT)} and {md_path.relative_to(ROOT)}")

@@ -1,0 +1,62 @@
+"""Export a pretraining checkpoint to Hugging Face format:
+``python -m rapidformer.export CHECKPOINT OUT_DIR``.
+
+CHECKPOINT is a ``--save`` directory (its ``latest`` checkpoint is used) or one ``iter_*``
+directory. OUT_DIR then holds ``config.json``, the weights and the tokenizer, ready for
+``transformers.AutoModelForCausalLM`` (GPT) or ``BertForPreTraining.from_pretrained`` (BERT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rapidformer.checkpoint import PROGRESS, find_checkpoint
+from rapidformer.config.schema import RapidformerConfig
+from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.errors import CheckpointError
+from rapidformer.models.convert import export_hugging_face
+from rapidformer.templates.pretrainer import build_pretraining_model
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``."""
+    path = find_checkpoint(checkpoint)
+    if path is None:
+        raise CheckpointError(
+            f"{checkpoint}: no checkpoint there (no 'latest' file and no {PROGRESS})"
+        )
+    record = json.loads((path / PROGRESS).read_text())
+    if "config" not in record:
+        raise CheckpointError(
+            f"{path / PROGRESS} holds no config: it was not written by a rapidformer Trainer"
+        )
+    config = RapidformerConfig.from_dict(record["config"])
+    data = config.data
+    if data.tokenizer_type is None or data.vocab_file is None:
+        raise CheckpointError(
+            f"{path}: not a pretraining checkpoint (no --tokenizer-type and "
+            "--vocab-file in its config)"
+        )
+    tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
+    model = build_pretraining_model(config, tokenizer.vocab_size)
+    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
+    export_hugging_face(model, str(out_dir), tokenizer=tokenizer.to_hf())
+    return Path(out_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rapidformer.export", description=__doc__)
+    parser.add_argument("checkpoint", help="a --save directory or one iter_* directory in it")
+    parser.add_argument("out_dir", help="where to write the Hugging Face model")
+    args = parser.parse_args(argv)
+    print(f"exported to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""BERT: the original BERT architecture with its pre-training heads, written for parallelism.
+
+Word + position + token-type embeddings followed by LayerNorm and dropout; a stack of
+post-LayerNorm blocks (bidirectional self-attention with a padding mask, erf-GELU MLP); a
+pooler (dense + tanh on the first, ``[CLS]``, token); an MLM head (dense + GELU + LayerNorm,
+then a decoder tied to the word embeddings plus its own bias) and a 2-way sentence-order /
+next-sentence head on the pooled output. Numerically it is Hugging Face's
+``BertForPreTraining``; :mod:`rapidformer.models.convert` maps the weights in and out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rapidformer.models.layers import TPStyle, TransformerBlock, check_config_shape, init_weights
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """Shape of a BERT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
+    applies to the embeddings, the attention probabilities and both residual branches."""
+
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    ffn_hidden_size: int | None = None
+    dropout: float = 0.1
+    layernorm_epsilon: float = 1e-12
+
+    def __post_init__(self) -> None:
+        check_config_shape(
+            self.hidden_size, self.num_attention_heads, self.num_layers, self.dropout
+        )
+
+    @property
+    def ffn_size(self) -> int:
+        """The FFN's hidden width: ``ffn_hidden_size``, or ``4 * hidden_size`` when that is None.
+        (The field keeps None, so ``dataclasses.replace(config, hidden_size=...)`` rescales
+        it.)"""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+class BertModel(nn.Module):
+    """BERT encoder with the MLM and sentence-order (NSP) pre-training heads.
+
+    Build it with :meth:`build`; the constructor alone leaves PyTorch's default init.
+
+    State dict: ``token_embeddings``, ``position_embeddings``, ``token_type_embeddings``,
+    ``embedding_norm``; ``blocks.{i}.attention.{q,k,v,out}_proj``, ``blocks.{i}.attention_norm``,
+    ``blocks.{i}.ffn.fc1``, ``blocks.{i}.ffn.fc2``, ``blocks.{i}.ffn_norm``; ``pooler``;
+    ``mlm_transform``, ``mlm_norm``, ``lm_head`` (weight = ``token_embeddings.weight``, plus
+    its own bias); ``sop_head``. Each entry ends in ``.weight`` / ``.bias``.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        eps = config.layernorm_epsilon
+        self.token_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        self.embedding_norm = nn.LayerNorm(hidden, eps=eps)
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                hidden,
+                config.num_attention_heads,
+                config.ffn_size,
+                config.dropout,
+                eps,
+                approximate="none",
+                norm_first=False,
+                causal=False,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.pooler = nn.Linear(hidden, hidden)
+        self.mlm_transform = nn.Linear(hidden, hidden)
+        self.mlm_activation = nn.GELU()
+        self.mlm_norm = nn.LayerNorm(hidden, eps=eps)
+        self.lm_head = nn.Linear(hidden, config.vocab_size)
+        self.sop_head = nn.Linear(hidden, 2)
+        self.tie_weights()
+
+    @classmethod
+    def build(
+        cls, config: BertConfig, device: str | torch.device = "cpu", seed: int = 0
+    ) -> BertModel:
+        """Construct on the meta device, allocate on ``device`` and initialise: N(0, 0.02)
+        weights, zero biases (the MLM output bias too), unit LayerNorms."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives every module its own new Parameter
+        init_weights(model, seed)
+        return model
+
+    def tie_weights(self) -> None:
+        """Share the word embedding with the MLM decoder (BERT always ties them)."""
+        self.lm_head.weight = self.token_embeddings.weight
+
+    @property
+    def tp_plan(self) -> dict[str, TPStyle]:
+        """How tensor parallelism splits this model (see :attr:`GPTModel.tp_plan`): Q/K/V and
+        ``fc1`` column-parallel, ``out_proj`` and ``fc2`` row-parallel, the word embedding
+        vocab-parallel and the tied MLM decoder column-parallel over the vocabulary (weight and
+        bias). Position / token-type embeddings, LayerNorms, the pooler, the MLM transform
+        and the 2-way head are small and stay replicated."""
+        return {
+            "token_embeddings": "vocab_parallel",
+            "blocks.*.attention.q_proj": "colwise",
+            "blocks.*.attention.k_proj": "colwise",
+            "blocks.*.attention.v_proj": "colwise",
+            "blocks.*.attention.out_proj": "rowwise",
+            "blocks.*.ffn.fc1": "colwise",
+            "blocks.*.ffn.fc2": "rowwise",
+            "lm_head": "colwise",
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlm_logits [B, T, vocab], sop_logits [B, 2])`` for ``input_ids`` ``[B, T]``.
+
+        ``token_type_ids`` default to 0 (segment A). ``attention_mask`` ``[B, T]`` is 1 for real
+        tokens and 0 for padding (anywhere in the sequence); no token attends to padding. Every
+        row needs at least one real token.
+        """
+        length = input_ids.shape[1]
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        positions = torch.arange(length, device=input_ids.device)
+        x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = x + self.token_type_embeddings(token_type_ids)
+        x = self.embedding_dropout(self.embedding_norm(x))
+        mask = None
+        if attention_mask is not None:
+            # [B, T] -> [B, 1, 1, T]: every query (and head) sees the same real keys.
+            mask = attention_mask[:, None, None, :].to(torch.bool)
+        for block in self.blocks:
+            x = block(x, mask)
+        pooled = torch.tanh(self.pooler(x[:, 0]))
+        hidden = self.mlm_norm(self.mlm_activation(self.mlm_transform(x)))
+        return self.lm_head(hidden), self.sop_head(pooled)

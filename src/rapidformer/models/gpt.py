@@ -1,0 +1,153 @@
+"""GPT: the GPT-2 architecture written for parallelism.
+
+Learned token and position embeddings, a stack of pre-LayerNorm blocks (causal self-attention,
+GELU-tanh MLP), a final LayerNorm and a language-model head tied to the token embedding.
+Numerically it is GPT-2: :mod:`rapidformer.models.convert` maps Hugging Face
+``GPT2LMHeadModel`` weights in and out and the logits agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rapidformer.models.layers import (
+    TPStyle,
+    TransformerBlock,
+    check_config_shape,
+    gpt2_residual_std,
+    init_weights,
+)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
+    applies to the embeddings, the attention probabilities and both residual branches."""
+
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    ffn_hidden_size: int | None = None
+    dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        check_config_shape(
+            self.hidden_size, self.num_attention_heads, self.num_layers, self.dropout
+        )
+
+    @property
+    def ffn_size(self) -> int:
+        """The FFN's hidden width: ``ffn_hidden_size``, or ``4 * hidden_size`` when that is None.
+        (The field keeps None, so ``dataclasses.replace(config, hidden_size=...)`` rescales
+        it.)"""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+class GPTModel(nn.Module):
+    """GPT-2-style causal language model.
+
+    Build it with :meth:`build` (meta-device construction, then deterministic init); calling
+    the constructor directly leaves PyTorch's default initialisation.
+
+    State dict: ``token_embeddings.weight``, ``position_embeddings.weight``,
+    ``blocks.{i}.attention_norm.*``, ``blocks.{i}.attention.{q,k,v,out}_proj.*``,
+    ``blocks.{i}.ffn_norm.*``, ``blocks.{i}.ffn.fc1.*``, ``blocks.{i}.ffn.fc2.*``,
+    ``final_norm.*`` and ``lm_head.weight`` (the same tensor as ``token_embeddings.weight``
+    when ``tie_word_embeddings``).
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.token_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                hidden,
+                config.num_attention_heads,
+                config.ffn_size,
+                config.dropout,
+                config.layernorm_epsilon,
+                approximate="tanh",
+                norm_first=True,
+                causal=True,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.final_norm = nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def build(
+        cls, config: GPTConfig, device: str | torch.device = "cpu", seed: int = 0
+    ) -> GPTModel:
+        """Construct on the meta device (no memory, no init work), allocate on ``device`` and
+        initialise: N(0, 0.02) weights, GPT-2's N(0, 0.02 / sqrt(2 * layers)) for the residual
+        output projections, zero biases, unit LayerNorms."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives every module its own new Parameter
+        init_weights(model, seed, residual_std=gpt2_residual_std(config.num_layers))
+        return model
+
+    def tie_weights(self) -> None:
+        """Share the token embedding with the LM head (when the config ties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+
+    @property
+    def tp_plan(self) -> dict[str, TPStyle]:
+        """How tensor parallelism splits this model (module-name patterns, ``*`` = any block).
+
+        Q/K/V and ``fc1`` are column-parallel (each rank keeps whole heads / a slice of the
+        FFN's hidden features), ``out_proj`` and ``fc2`` row-parallel (their partial sums are
+        reduced once per sub-layer), the token embedding is vocab-parallel and the LM head is
+        column-parallel over the vocabulary. Both of the last two shard dim 0 of the same
+        ``[vocab, hidden]`` weight, so tying survives the split. Position embeddings and
+        LayerNorms stay replicated."""
+        return {
+            "token_embeddings": "vocab_parallel",
+            "blocks.*.attention.q_proj": "colwise",
+            "blocks.*.attention.k_proj": "colwise",
+            "blocks.*.attention.v_proj": "colwise",
+            "blocks.*.attention.out_proj": "rowwise",
+            "blocks.*.ffn.fc1": "colwise",
+            "blocks.*.ffn.fc2": "rowwise",
+            "lm_head": "colwise",
+        }
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]``.
+
+        ``attention_mask`` (1 = real token) is accepted for right-padded batches and not
+        applied: under causal attention a real token never attends to the padding that follows
+        it, so real tokens' logits are exactly those of the unpadded sequence, and attention
+        keeps SDPA's mask-free causal kernels. Logits at padded positions are meaningless; the
+        loss must ignore them. Left padding is not supported (positions would be shifted).
+        """
+        del attention_mask  # right padding only: see the docstring
+        length = input_ids.shape[1]
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        positions = torch.arange(length, device=input_ids.device)
+        x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
+        x = self.embedding_dropout(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))

@@ -1,0 +1,187 @@
+"""Building blocks shared by the built-in GPT and BERT: attention, feed-forward, block, init.
+
+Everything here is written so that later parallelism can cut it without rewriting it:
+
+* only plain ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` hold parameters, so DTensor's
+  ``ColwiseParallel`` / ``RowwiseParallel`` apply to them directly;
+* the query, key and value projections are three separate ``nn.Linear``. A column-wise split
+  shards a weight's output dimension into contiguous slices; for a separate ``q_proj`` that
+  slice is a contiguous group of whole heads, and ``k_proj`` / ``v_proj`` give the same heads
+  on the same rank. A fused ``[3 * hidden, hidden]`` projection split the same way would hand
+  rank 0 all of Q and part of K (unless its rows were re-interleaved per head, which breaks
+  the Hugging Face layout), so it is not used;
+* heads are recovered with ``view(batch, length, -1, head_dim)``: a tensor-parallel shard holds
+  fewer heads and the same code runs on it;
+* ``TransformerBlock.ffn`` is a self-contained ``[B, T, H] -> [B, T, H]`` module (``fc1``,
+  ``activation``, ``fc2``) that a mixture-of-experts layer can replace;
+* models keep their blocks in one ``nn.ModuleList`` named ``blocks`` (activation checkpointing
+  and pipeline stages cut there) and have no buffers, so they can be created on the meta device
+  and materialised with ``to_empty`` + :func:`init_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TPStyle = Literal["colwise", "rowwise", "vocab_parallel"]
+"""How a tensor-parallel plan splits a module: ``colwise`` shards a Linear's output features
+(weight dim 0, and its bias), ``rowwise`` shards its input features (weight dim 1; the partial
+outputs are summed), ``vocab_parallel`` shards an Embedding's rows (the vocabulary; the
+partial lookups are summed). Each maps onto ``torch.distributed.tensor.parallel``'s
+``ColwiseParallel`` / ``RowwiseParallel`` (the latter for both Linear and Embedding)."""
+
+INIT_STD = 0.02
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with separate Q/K/V projections and SDPA.
+
+    ``causal=True`` uses SDPA's causal mask (and no explicit mask, which keeps the fused
+    kernels available); otherwise an optional boolean ``attention_mask`` broadcastable to
+    ``[B, heads, T, T]`` (True = may attend) is applied.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, dropout: float, causal: bool) -> None:
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by {num_heads} heads")
+        self.head_dim = hidden_size // num_heads
+        self.dropout = dropout
+        self.causal = causal
+        self.q_proj = nn.Linear(hidden_size, hidden_size)
+        self.k_proj = nn.Linear(hidden_size, hidden_size)
+        self.v_proj = nn.Linear(hidden_size, hidden_size)
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.causal and attention_mask is not None:
+            raise ValueError("causal attention takes no explicit attention_mask")
+        batch, length, _ = x.shape
+        # [B, T, heads, head_dim] -> [B, heads, T, head_dim]; -1 heads so a TP shard works.
+        q = self.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal,
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """The MLP of a block: ``fc2(activation(fc1(x)))``. GELU with ``approximate="tanh"`` is
+    GPT-2's ("gelu_new"), ``"none"`` is BERT's erf GELU."""
+
+    def __init__(
+        self, hidden_size: int, ffn_hidden_size: int, approximate: Literal["none", "tanh"]
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_hidden_size)
+        self.activation = nn.GELU(approximate=approximate)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer: self-attention then the feed-forward network, each with a
+    residual connection, dropout on the sub-layer output, and a LayerNorm.
+
+    ``norm_first=True`` is pre-LayerNorm (GPT-2): ``x + drop(sub(norm(x)))``.
+    ``norm_first=False`` is post-LayerNorm (original BERT): ``norm(x + drop(sub(x)))``.
+    ``attention_norm`` / ``ffn_norm`` are the LayerNorms that belong to each sub-layer.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        ffn_hidden_size: int,
+        dropout: float,
+        layernorm_epsilon: float,
+        approximate: Literal["none", "tanh"],
+        norm_first: bool,
+        causal: bool,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.attention_norm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.attention = SelfAttention(hidden_size, num_heads, dropout, causal)
+        self.ffn_norm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.ffn = FeedForward(hidden_size, ffn_hidden_size, approximate)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.norm_first:
+            x = x + self.dropout(self.attention(self.attention_norm(x), attention_mask))
+            return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask)))
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+
+def init_weights(
+    model: nn.Module, seed: int, residual_std: float | None = None, std: float = INIT_STD
+) -> None:
+    """Initialise every parameter of ``model`` in place, deterministically from ``seed``.
+
+    Linear and Embedding weights ~ N(0, std), biases 0, LayerNorm weight 1 and bias 0. With
+    ``residual_std``, the projections that write into the residual stream (``attention.out_proj``
+    and ``ffn.fc2``) use that std instead (GPT-2's scaled init). A parameter shared by several
+    modules (tied embeddings) is initialised once, by the first module that owns it. The random
+    numbers come from a generator on the parameters' device: the same seed gives the same
+    weights on the same kind of device.
+    """
+    first = next(model.parameters())
+    generator = torch.Generator(device=first.device).manual_seed(seed)
+    seen: set[int] = set()
+
+    def fresh(param: torch.Tensor | None) -> bool:
+        if param is None or id(param) in seen:
+            return False
+        seen.add(id(param))
+        return True
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                if fresh(module.weight):
+                    residual = name.endswith(("attention.out_proj", "ffn.fc2"))
+                    scale = residual_std if residual and residual_std is not None else std
+                    nn.init.normal_(module.weight, 0.0, scale, generator=generator)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor) and fresh(bias):
+                    nn.init.zeros_(bias)
+            elif isinstance(module, nn.LayerNorm):
+                if fresh(module.weight):
+                    nn.init.ones_(module.weight)
+                if fresh(module.bias):
+                    nn.init.zeros_(module.bias)
+    left = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if left:
+        raise TypeError(f"init_weights does not know how to initialise {left}")
+
+
+def gpt2_residual_std(num_layers: int, std: float = INIT_STD) -> float:
+    """GPT-2's init for the residual output projections: std / sqrt(2 * layers) (two residual
+    additions per block)."""
+    return std / math.sqrt(2 * num_layers)
+
+
+def check_config_shape(hidden: int, heads: int, layers: int, dropout: float) -> None:
+    """Reject shapes no model can be built with (shared by the model configs)."""
+    if hidden <= 0 or heads <= 0 or layers <= 0:
+        raise ValueError("hidden_size, num_attention_heads and num_layers must be positive")
+    if hidden % heads:
+        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")

@@ -1,0 +1,219 @@
+"""Black-box and white-box pretraining on a corpus preprocessed like Megatron's, its export to
+Hugging Face, and its single-process / two-rank parity."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidformer import parse_args
+from rapidformer.errors import ConfigError
+from rapidformer.export import export_checkpoint
+from rapidformer.templates.pretrainer import Pretrainer
+from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
+from tests.conftest import read_losses
+
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--lr",
+    "2e-3",
+    "--lr-warmup-iters",
+    "10",
+    "--log-interval",
+    "10",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_data(tmp_path_factory: pytest.TempPathFactory) -> PretrainingData:
+    return build_pretraining_data(
+        tmp_path_factory.mktemp("gpt"), "GPT2BPETokenizer", synthetic_documents(400, seed=0)
+    )
+
+
+@pytest.fixture(scope="module")
+def bert_data(tmp_path_factory: pytest.TempPathFactory) -> PretrainingData:
+    return build_pretraining_data(
+        tmp_path_factory.mktemp("bert"), "BertWordPieceLowerCase", synthetic_documents(400, seed=0)
+    )
+
+
+def _pretrain(data: PretrainingData, save: Path, *flags: str) -> dict[str, float]:
+    config = parse_args([*data.flags(), *MODEL, "--save", str(save), *flags])
+    trainer = Pretrainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.engine.close()
+
+
+def test_gpt_pretraining_learns_and_exports_to_transformers(
+    gpt_data: PretrainingData, tmp_path: Path
+) -> None:
+    metrics = _pretrain(
+        gpt_data,
+        tmp_path / "run",
+        "--train-iters",
+        "100",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "16",
+        "--eval-interval",
+        "50",
+        "--eval-iters",
+        "4",
+    )
+    losses = read_losses(tmp_path / "run")
+    assert losses[10] > 4.0  # ln(400 tokens) = 6.0 at the start
+    assert losses[100] < 2.5 and metrics["eval_loss"] < 2.5  # measured ~1.6 and ~1.5
+
+    transformers = pytest.importorskip("transformers")
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tokenizer("The old miller carries a lamp near the river.", return_tensors="pt")
+    config = parse_args([*gpt_data.flags(), *MODEL, "--train-iters", "1"])
+    trainer = Pretrainer(config)
+    model = trainer.build_model().eval()
+    model.load_state_dict(torch.load(tmp_path / "run" / "iter_0000100" / "model.pt"))
+    with torch.no_grad():
+        ours = model(ids["input_ids"])
+        theirs = hf(input_ids=ids["input_ids"]).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_bert_pretraining_masked_lm_accuracy_rises_above_chance(
+    bert_data: PretrainingData, tmp_path: Path
+) -> None:
+    metrics = _pretrain(
+        bert_data,
+        tmp_path / "run",
+        "--train-iters",
+        "100",
+        "--micro-batch-size",
+        "16",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "4",
+        "--data-iterator",
+        "dynamic-shape",
+    )
+    # Chance is 1/400; the most frequent word of the grammar is ~10% of tokens.
+    assert metrics["mlm_accuracy"] > 0.15, metrics
+    transformers = pytest.importorskip("transformers")
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.num_hidden_layers == 2
+
+
+def test_bert_loss_is_the_same_with_bucket_and_full_padding(bert_data: PretrainingData) -> None:
+    trainer = Pretrainer(
+        parse_args(
+            [
+                *bert_data.flags(),
+                *MODEL,
+                "--train-iters",
+                "20",
+                "--micro-batch-size",
+                "16",
+                "--hidden-dropout",
+                "0",
+            ]
+        )
+    )
+    bundle = trainer.build_data()
+    trainer.model = trainer.build_model().eval()
+    train = bundle.train
+    shortest = sorted(range(len(train)), key=lambda i: len(train[i]["input_ids"]))[:8]  # type: ignore[index]
+    samples = [train[i] for i in shortest]  # type: ignore[index]
+    longest = max(len(s["input_ids"]) for s in samples)
+    assert bundle.collate_fn is not None and longest < 64
+    full = trainer.train_step(bundle.collate_fn(samples))
+    bucket = trainer.train_step(bundle.collate_fn(samples, pad_to=-(-longest // 8) * 8))
+    difference = full["loss"] - bucket["loss"]  # type: ignore[index]
+    assert abs(difference.item()) <= 1e-5
+
+
+def test_missing_pretraining_flags_are_reported_together(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rapidformer.cli import main
+
+    assert (
+        main(
+            [
+                "--task",
+                "pretraining",
+                "--train-iters",
+                "5",
+                "--lr",
+                "1e-3",
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    for flag in ("--data-path", "--vocab-file", "--merge-file", "--seq-length", "--num-layers"):
+        assert f"{flag}=None" in err
+    with pytest.raises(ConfigError, match="pretraining is iteration-based"):
+        Pretrainer(parse_args(["--epochs", "1", "--lr", "1e-3"]))
+
+
+@pytest.mark.distributed
+def test_two_rank_pretraining_under_torchrun_matches_single_process(
+    gpt_data: PretrainingData, tmp_path: Path
+) -> None:
+    flags = [
+        *gpt_data.flags(),
+        *MODEL,
+        "--train-iters",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--hidden-dropout",
+        "0",
+        "--eval-iters",
+        "2",
+        "--log-interval",
+        "1",
+    ]
+    _pretrain(gpt_data, tmp_path / "single", *flags[len(gpt_data.flags()) + len(MODEL) :])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rapidformer",
+        "--task",
+        "pretraining",
+        *flags,
+        "--save",
+        str(tmp_path / "ddp"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single, ddp = read_losses(tmp_path / "single"), read_losses(tmp_path / "ddp")
+    assert single.keys() == ddp.keys() == set(range(1, 9))
+    assert max(abs(single[s] - ddp[s]) for s in single) <= 1e-5
