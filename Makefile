@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, pinned, so nothing below can pull a different (multi-GB) build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# Test-only reference: Megatron's own .bin/.idx reader and writer (pure Python; its
+	# dependencies would pull a CUDA stack, and the indexed-dataset module needs none of them).
+	$(PY) -m pip install --quiet --no-deps megatron-core==0.16.1
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,11 +21,9 @@ every step must match exactly: checkpointing recomputes, it must not change the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -34,17 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rapidformer import DataBundle, Trainer
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_JSON = ROOT / "benchmarks" / "results" / "activation_memory.json"
-RESULTS_MD = ROOT / "docs" / "results" / "activation_memory.md"
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO_BATCH = 64, 256, 8, 4, 256, 32
 MMAP_THRESHOLD = "131072"
@@ -165,7 +158,9 @@ def max_loss_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
     )
 
 
-def write_markdown(result: dict[str, Any]) -> None:
+def markdown(result: dict[str, Any]) -> list[str]:
+    """docs/results/activation_memory.md without the footer (machine, date, command) that
+    ``write_results`` adds."""
     plain, ckpt = result["plain"], result["checkpointed"]
     lines = [
         "# Activation memory with and without `--checkpoint-activations`",
@@ -197,27 +192,18 @@ def write_markdown(result: dict[str, Any]) -> None:
         "s / step covers every step, the first included, and the page faults that the mmap "
         "threshold adds to every large allocation: it shows the recompute cost roughly, it is "
         "not a speed benchmark.",
-        "",
-        f"- Machine: {result['machine']['cpu_count']} CPU cores, "
-        f"{result['machine']['torch_threads']} torch threads, torch {result['machine']['torch']}, "
-        f"Python {result['machine']['python']}.",
-        f"- Date: {result['date']}",
-        f"- Reproduce: `{result['command']}`",
-        "",
     ]
-    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_MD.write_text("\n".join(lines))
+    return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # Imported here, not at the top: tests load this file by its path to call run_child(),
+    # and benchmarks/ is on sys.path only when a script in it is run.
+    from common import argument_parser, stamp, write_results
+
+    parser = argument_parser(__doc__, quick="2 steps, 1 run each")
     parser.add_argument("--steps", type=int, default=3, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test (2 steps, 1 run each); prints, writes no files",
-    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-activations", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -257,11 +243,6 @@ def main() -> None:
         "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
                    "seq_length": SEQ, "micro_batch": MICRO_BATCH,
                    "malloc_mmap_threshold": MMAP_THRESHOLD},
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version()},
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", "benchmarks/activation_memory.py",
-                             *sys.argv[1:]]),
     }  # fmt: skip
     print(
         f"median peak increment: plain {plain['median_peak_increment_mib']:.1f} MiB, "
@@ -272,10 +253,8 @@ def main() -> None:
         print("WARNING: the losses differ with checkpointing")
     if args.quick:
         return
-    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result)
-    print(f"wrote {RESULTS_JSON.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)}")
+    result = stamp(result)
+    write_results("activation_memory", result, markdown(result))
 
 
 if __name__ == "__main__":

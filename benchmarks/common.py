@@ -1,19 +1,32 @@
-"""What every benchmark records besides its numbers: the machine, the date, the command, and
-the two result files (JSON for tools, Markdown for docs/results/)."""
+"""What every benchmark shares besides its numbers: the command line's common part (a
+description and --quick), the machine, the date, the command, and the two result files (JSON
+for tools, Markdown for docs/results/)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def argument_parser(doc: str, quick: str) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of ``doc`` (the script's docstring), with
+    --quick: a smoke test that prints and writes no files; ``quick`` says what it runs."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke test ({quick}); prints, writes no files"
+    )
+    return parser
 
 
 def cpu_name() -> str:
@@ -37,14 +50,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def stamp(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` plus machine, date and the command that reproduces it."""
+def stamp(result: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``result`` plus machine, date and the command that reproduces it; ``env`` holds the
+    environment variables that the command sets in front (``NAME=value ...``)."""
     script = Path(sys.argv[0]).resolve().relative_to(ROOT)
+    assignments = [f"{name}={value}" for name, value in (env or {}).items()]
     return {
         **result,
         "machine": machine_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", str(script), *sys.argv[1:]]),
+        "command": " ".join([*assignments, ".venv/bin/python", str(script), *sys.argv[1:]]),
     }
 
 

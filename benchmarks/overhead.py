@@ -30,20 +30,15 @@ writes at the last step. The wall time of each whole run, set-up included, is re
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import argument_parser, stamp, write_results
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -51,10 +46,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from rapidformer import DataBundle, Trainer
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS_JSON = ROOT / "benchmarks" / "results" / "overhead.json"
-RESULTS_MD = ROOT / "docs" / "results" / "overhead.md"
 
 # A small model on purpose: the Trainer's cost is a fixed amount of Python per step, so the
 # cheaper the step, the larger its share. ~20 ms per step on two cores.
@@ -213,32 +204,9 @@ def run_hand(dataset: Dataset, steps: int) -> RunResult:
 
 
 # ---- reporting ---------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def side_summary(runs: list[RunResult]) -> dict[str, Any]:
-    rates = [r.samples_per_s for r in runs]
-    return {
-        "median_samples_per_s": statistics.median(rates),
-        "min_samples_per_s": min(rates),
-        "max_samples_per_s": max(rates),
-        "median_total_s": statistics.median(r.total_s for r in runs),
-        "median_step_ms": statistics.median(r.median_step_ms for r in runs),
-        "tokens_per_run": sorted({r.tokens for r in runs}),
-        "final_loss": [r.final_loss for r in runs],
-        "mean_last_loss": [r.mean_last_loss for r in runs],
-        "runs": [asdict(r) | {"samples_per_s": r.samples_per_s} for r in runs],
-    }
-
-
-def write_markdown(result: dict[str, Any]) -> None:
+def markdown(result: dict[str, Any]) -> list[str]:
+    """docs/results/overhead.md without the footer (machine, date, command) that
+    ``write_results`` adds."""
     trainer, hand = result["trainer"], result["hand"]
     machine = result["machine"]
     lines = [
@@ -272,34 +240,36 @@ def write_markdown(result: dict[str, Any]) -> None:
         "Noise: the hand loop's own runs span "
         f"{hand['max_samples_per_s'] / hand['min_samples_per_s'] - 1:.1%} (fastest over "
         "slowest), so a gap of a few percent between the sides can come and go from one run "
-        "of this script to the next.",
+        "of this script to the next. This machine's load average was "
+        f"{machine['loadavg_start']} at the start, {machine['loadavg_end']} at the end; other "
+        "jobs may share the physical cores without showing in it: compare the min/max spread.",
         "",
         "The losses differ slightly because the two sides shuffle with different generators "
         "(same initial weights, different batch order); each side's losses repeat exactly "
         "from run to run.",
-        "",
-        f"- Machine: {machine['cpu_count']} CPU cores ({machine['cpu']}), "
-        f"{machine['torch_threads']} torch threads, torch {machine['torch']}, "
-        f"Python {machine['python']}; this machine's load average {machine['loadavg_start']} "
-        f"at the start, {machine['loadavg_end']} at the end. Other jobs may share the "
-        "physical cores without showing in it: compare the min/max spread.",
-        f"- Date: {result['date']}",
-        f"- Reproduce: `{result['command']}`",
-        "",
     ]
-    RESULTS_MD.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_MD.write_text("\n".join(lines))
+    return lines
+
+
+def side_summary(runs: list[RunResult]) -> dict[str, Any]:
+    rates = [r.samples_per_s for r in runs]
+    return {
+        "median_samples_per_s": statistics.median(rates),
+        "min_samples_per_s": min(rates),
+        "max_samples_per_s": max(rates),
+        "median_total_s": statistics.median(r.total_s for r in runs),
+        "median_step_ms": statistics.median(r.median_step_ms for r in runs),
+        "tokens_per_run": sorted({r.tokens for r in runs}),
+        "final_loss": [r.final_loss for r in runs],
+        "mean_last_loss": [r.mean_last_loss for r in runs],
+        "runs": [asdict(r) | {"samples_per_s": r.samples_per_s} for r in runs],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__, quick="30 steps, 2 pairs")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     parser.add_argument("--pairs", type=int, default=10, help="interleaved trainer/hand pairs")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke test (30 steps, 2 pairs); prints, writes no files",
-    )
     args = parser.parse_args()
     steps, pairs = (30, 2) if args.quick else (args.steps, args.pairs)
     if steps < LAST_N or pairs < 1:
@@ -324,6 +294,7 @@ def main() -> None:
                 f"{run.mean_last_loss:.4f}",
                 flush=True,
             )
+    loadavg_end = os.getloadavg()
 
     trainer, hand = side_summary(runs["trainer"]), side_summary(runs["hand"])
     pair_ratios = [
@@ -343,15 +314,6 @@ def main() -> None:
         "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
                    "seq_length": SEQ, "micro_batch": MICRO_BATCH, "num_samples": NUM_SAMPLES,
                    "lr": LR, "weight_decay": WEIGHT_DECAY, "clip": CLIP, "seed": SEED},
-        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version(), "malloc_env": malloc_env,
-                    "loadavg_start": [round(x, 2) for x in loadavg_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        # glibc's malloc tuning changes the page faults each step pays (see the docstring).
-        "command": " ".join([*(f"{k}={v}" for k, v in malloc_env.items()), ".venv/bin/python",
-                             "benchmarks/overhead.py", *sys.argv[1:]]),
     }  # fmt: skip
     print(
         f"trainer median {trainer['median_samples_per_s']:.1f} samples/s, hand median "
@@ -371,10 +333,15 @@ def main() -> None:
         )
     if args.quick:
         return
-    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result)
-    print(f"wrote {RESULTS_JSON.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)}")
+    # glibc's malloc tuning changes the page faults each step pays (see the docstring): the
+    # command sets the same MALLOC_ variables, and the machine record keeps them.
+    result = stamp(result, env=malloc_env)
+    result["machine"] |= {
+        "malloc_env": malloc_env,
+        "loadavg_start": [round(x, 2) for x in loadavg_start],
+        "loadavg_end": [round(x, 2) for x in loadavg_end],
+    }
+    write_results("overhead", result, markdown(result))
 
 
 if __name__ == "__main__":

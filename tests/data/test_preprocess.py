@@ -218,6 +218,10 @@ def test_cli_errors_exit_2(setup: dict, tmp_path: Path, capsys: pytest.CaptureFi
     argv += ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", setup["gpt2"][0]]
     assert main(argv) == 2
     assert "--merge-file" in capsys.readouterr().err
+    argv = ["--input", setup["input"], "--output-prefix", str(tmp_path / "o"), "--workers", "0"]
+    assert main(argv + flags) == 2
+    assert "--workers=0: must be at least 1" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o*"))
 
 
 def test_split_sentences() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rapidformer import parse_args
+from rapidformer.data.blended import BlendedDataset
 from rapidformer.errors import ConfigError
 from rapidformer.export import export_checkpoint
 from rapidformer.templates.pretrainer import Pretrainer
@@ -217,3 +218,54 @@ def test_two_rank_pretraining_under_torchrun_matches_single_process(
     single, ddp = read_losses(tmp_path / "single"), read_losses(tmp_path / "ddp")
     assert single.keys() == ddp.keys() == set(range(1, 9))
     assert max(abs(single[s] - ddp[s]) for s in single) <= 1e-5
+
+
+def test_a_blend_of_corpora_follows_its_weights(gpt_data: PretrainingData) -> None:
+    flags = gpt_data.flags()
+    flags[flags.index("--data-path") + 1] = f"0.3 {gpt_data.prefix} 0.7 {gpt_data.prefix}"
+    trainer = Pretrainer(
+        parse_args([*flags, *MODEL, "--train-iters", "10", "--micro-batch-size", "10"])
+    )
+    train = trainer.build_data().train
+    assert isinstance(train, BlendedDataset) and len(train) == 100
+    assert (train.which == 0).sum() == 30
+    assert train[0]["input_ids"].shape == (64,)
+
+
+def test_pretraining_resumes_bitwise_after_a_crash(
+    gpt_data: PretrainingData, tmp_path: Path
+) -> None:
+    flags = [
+        "--train-iters",
+        "6",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--save-interval",
+        "3",
+        "--eval-iters",
+        "2",
+        "--log-interval",
+        "1",
+    ]
+    _pretrain(gpt_data, tmp_path / "full", *flags)
+    config = parse_args([*gpt_data.flags(), *MODEL, *flags, "--save", str(tmp_path / "cut")])
+    trainer = Pretrainer(config)
+    original = trainer.train_step
+    steps = {"n": 0}
+
+    def crash_in_step_5(batch: dict[str, torch.Tensor]) -> object:
+        assert trainer.model is not None
+        steps["n"] += trainer.model.training
+        if steps["n"] > 8:  # two micro-batches per step
+            raise KeyboardInterrupt
+        return original(batch)
+
+    trainer.train_step = crash_in_step_5  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    trainer.engine.close()
+    _pretrain(gpt_data, tmp_path / "cut", *flags)  # resumes from step 3
+    full, cut = read_losses(tmp_path / "full"), read_losses(tmp_path / "cut")
+    assert [cut[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
