@@ -9,6 +9,7 @@ Hooks never read acceleration flags: the same hooks run under DDP, fp16 or check
 
 from __future__ import annotations
 
+import contextlib
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.engine.state import TrainState
 from rapidformer.errors import CheckpointError, DataError, Violation
-from rapidformer.logging import MetricsLogger
+from rapidformer.logging import MetricsLogger, log
 from rapidformer.schedules import build_lr_scheduler
 
 StepOutput = torch.Tensor | Mapping[str, Any]
@@ -253,8 +254,6 @@ class Trainer(ABC):
             return Progress()
         saved = load_checkpoint(path, state)
         if self.engine.is_main_process:
-            from rapidformer.logging import log
-
             log.info("resumed from %s at step %d", path, saved["step"])
         return Progress(step=saved["step"], epoch=saved["epoch"], consumed=saved["consumed"])
 
@@ -333,9 +332,9 @@ def _due(step: int, interval: int | None) -> bool:
     return interval is not None and step % interval == 0
 
 
-def _autocast(state: TrainState) -> Any:
+def _autocast(state: TrainState) -> contextlib.AbstractContextManager[Any]:
+    """Evaluation runs the unwrapped model, outside the autocast that wraps the training
+    forward, so it enters autocast itself."""
     if state.autocast_dtype is None:
-        import contextlib
-
         return contextlib.nullcontext()
     return torch.autocast(device_type=state.device.type, dtype=state.autocast_dtype)
