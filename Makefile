@@ -25,6 +25,8 @@ demo: $(STAMP)
 	$(PY) examples/train_tiny_transformer.py --save demo_output/tiny
 	# 2. black-box pretraining: corpus -> vocabulary -> .bin/.idx -> GPT -> Hugging Face export
 	$(PY) examples/pretrain_gpt.py --out demo_output/pretrain
+	# 3. black-box fine-tuning: that GPT classifies the grammar's sentences by verb (chance 0.25)
+	$(PY) examples/finetune_classifier.py --out demo_output/finetune --model demo_output/pretrain/hf
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
@@ -49,6 +51,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/activation_memory.py
 	$(PY) benchmarks/dynamic_shape.py
 	$(PY) benchmarks/preprocess_throughput.py
+	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
+	$(PY) -m pip install --quiet -c constraints.txt accelerate
+	$(PY) benchmarks/finetune_vs_hf.py
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .mypy_cache .ruff_cache

@@ -73,9 +73,16 @@ def test_bad_flags_are_all_reported_and_nothing_is_built(
     assert not (tmp_path / "out").exists()
 
 
-def test_tasks_of_later_issues_say_so(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--task", "sequence_classification", "--epochs", "1", "--lr", "1e-5"]) == 2
-    assert "Finetuner template (issue #4) has not landed" in capsys.readouterr().err
+def test_a_fine_tuning_task_without_model_or_data_names_every_missing_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for task in ("sequence_classification", "casual_lm", "causal_lm"):
+        assert main(["--task", task, "--lr", "1e-5"]) == 2
+        err = capsys.readouterr().err
+        assert "(3 problems)" in err
+        assert "--pretrained-model-name-or-path=None: fine-tuning starts from a pretrained" in err
+        assert "--data-dir=None: fine-tuning needs a dataset" in err
+        assert "--train-iters=None: the run needs a length" in err
     assert main(["--train-iters", "1"]) == 2
     assert "a black-box run needs a task" in capsys.readouterr().err
 

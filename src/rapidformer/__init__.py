@@ -2,12 +2,13 @@
 
 from rapidformer.config import RapidformerConfig, parse_args
 from rapidformer.engine import RapidformerEngine
-from rapidformer.templates import DataBundle, Pretrainer, Trainer
+from rapidformer.templates import DataBundle, Finetuner, Pretrainer, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DataBundle",
+    "Finetuner",
     "Pretrainer",
     "RapidformerConfig",
     "RapidformerEngine",

@@ -1,8 +1,9 @@
 """The black-box entry point: ``rapidformer [flags]`` or ``python -m rapidformer [flags]``.
 
 ``--user-script FILE`` runs the Trainer subclass defined in FILE with the same flags;
-``--task pretraining`` runs the Pretrainer; the fine-tuning tasks arrive with the Finetuner
-(issue #4) and say so until then.
+``--task pretraining`` runs the Pretrainer; the fine-tuning tasks (sequence_classification,
+token_classification, question_answering, masked_lm, casual_lm / causal_lm, seq2seq_lm) run
+the Finetuner.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from rapidformer.config.validate import validate
 from rapidformer.errors import ConfigError, RapidformerError, Violation
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.templates.trainer import Trainer
-
-_FINETUNE = "the Finetuner template (issue #4)"
 
 
 def load_trainer_class(script: str) -> type[Trainer]:
@@ -69,12 +68,9 @@ def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
         from rapidformer.templates.pretrainer import Pretrainer  # imports the data stack
 
         return Pretrainer
-    raise ConfigError.single(
-        "--task",
-        task,
-        f"not available yet: {_FINETUNE} has not landed in this version",
-        "run your own Trainer subclass with --user-script FILE",
-    )
+    from rapidformer.templates.finetuner import Finetuner  # every other task fine-tunes
+
+    return Finetuner
 
 
 def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:

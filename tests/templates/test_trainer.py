@@ -59,3 +59,24 @@ def test_fused_adamw_is_built_and_named_in_the_plan() -> None:
     assert isinstance(state.optimizer, torch.optim.AdamW)
     assert state.optimizer.defaults["fused"] is True
     assert any("torch.optim.AdamW(fused=True)" in str(step) for step in state.plan)
+
+
+def test_evaluation_does_not_change_training_randomness(tmp_path: Path) -> None:
+    # Dropout draws from the global RNG; an evaluation must not move it.
+    runs = {}
+    for name, flags in {
+        "often": ["--eval-interval", "1"],
+        "never": ["--eval-interval", "100"],
+    }.items():
+        tiny_trainer(
+            "--train-iters",
+            "6",
+            "--micro-batch-size",
+            "8",
+            "--save",
+            str(tmp_path / name),
+            *flags,
+            dropout=0.1,
+        ).fit()
+        runs[name] = read_losses(tmp_path / name)
+    assert runs["often"] == runs["never"]

@@ -69,11 +69,9 @@ def apply_data(state: TrainState, config: RapidformerConfig, dims: ParallelDims)
         sampler, collate_fn, shape = _train_order(train, config, dims, shuffle)
         state.train_dataloader = rebuild_loader(train, sampler, collate_fn)
     evaluation = state.eval_dataloader
-    if (
-        evaluation is not None
-        and dims.dp > 1
-        and not isinstance(evaluation.sampler, EvalShardSampler)
-    ):
+    # Rebuilt even on one rank: the rebuilt loader has its own generator, so an evaluation no
+    # longer draws from the global RNG and training randomness does not depend on when it runs.
+    if evaluation is not None and not isinstance(evaluation.sampler, EvalShardSampler):
         sampler = EvalShardSampler(
             len(evaluation.dataset),  # type: ignore[arg-type]
             dp_rank=dims.dp_rank,

@@ -1,0 +1,170 @@
+"""Fine-tuning datasets found by ``--data-dir`` and ``--data-name``, loaded with ``datasets``.
+
+``--data-dir`` is one of:
+
+* a directory saved with ``DatasetDict.save_to_disk`` (``dataset_dict.json`` inside), or a
+  folder holding one per ``--data-name``;
+* a folder of json / jsonl / csv / parquet files. ``--data-name`` then names a sub-folder or
+  the prefix of the files to use (``sst2`` picks ``sst2_train.jsonl``, ``sst2.validation.csv``;
+  a full file name picks that one file). Each file's split comes from its name: ``train``,
+  ``validation`` (also ``valid``, ``val``, ``dev``, ``eval``) or ``test``; a lone file without
+  a split in its name is the training split;
+* anything else is a ``datasets`` builder or hub dataset (``--data-dir glue --data-name sst2``),
+  which needs network access to the hub unless it is cached.
+
+Every failure names what is wrong: the folder, the name that matched nothing and the files
+there are, or that the hub cannot be reached and how to pass a local folder instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rapidformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev", "eval"),
+    "test": ("test",),
+}
+
+
+def load_splits(data_dir: str, data_name: str | None = None) -> dict[str, Dataset]:
+    """The train / validation / test splits that ``--data-dir`` and ``--data-name`` name
+    (the ones that exist), keyed by those canonical split names."""
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar per split and rank drowns the run's log
+    root = Path(data_dir)
+    if root.is_dir():
+        return _local(root, data_name)
+    if _looks_like_a_path(data_dir):
+        raise ConfigError.single(
+            "--data-dir", data_dir, "no such directory", "pass a folder of data files"
+        )
+    return _from_hub(data_dir, data_name)
+
+
+def _local(root: Path, data_name: str | None) -> dict[str, Dataset]:
+    import datasets
+
+    folder = root / data_name if data_name and (root / data_name).is_dir() else root
+    if (folder / "dataset_dict.json").is_file():
+        loaded = datasets.load_from_disk(str(folder))
+        return _canonical(dict(loaded), str(folder))
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in FORMATS)
+    if data_name and folder == root:
+        stem = data_name.rsplit(".", 1)[0] if Path(data_name).suffix in FORMATS else data_name
+        files = [p for p in files if p.name == data_name or p.name.startswith(stem)]
+        if not files:
+            available = sorted(p.name for p in root.iterdir() if p.is_dir() or p.suffix in FORMATS)
+            raise ConfigError.single(
+                "--data-name",
+                data_name,
+                f"no configuration, sub-folder or data file of that name in {root} "
+                f"(there: {', '.join(available) or 'nothing'})",
+                "pass one of those names",
+            )
+    if not files:
+        raise ConfigError.single(
+            "--data-dir",
+            str(folder),
+            f"holds no {'/'.join(sorted(set(FORMATS)))} files and no saved dataset",
+            "point --data-dir (and --data-name) at the data files",
+        )
+    by_split: dict[str, list[str]] = {}
+    for path in files:
+        split = _split_of(path.stem, "train" if len(files) == 1 else None)
+        if split is None:
+            raise ConfigError.single(
+                "--data-dir",
+                str(folder),
+                f"cannot tell the split of {path.name}: its name has none of "
+                + ", ".join(w for words in SPLIT_WORDS.values() for w in words),
+                "name the files e.g. train.jsonl and validation.jsonl",
+            )
+        by_split.setdefault(split, []).append(str(path))
+    builders = {FORMATS[Path(p).suffix] for paths in by_split.values() for p in paths}
+    if len(builders) > 1:
+        raise ConfigError.single(
+            "--data-dir", str(folder), "mixes file formats", "keep one format per dataset"
+        )
+    loaded = datasets.load_dataset(builders.pop(), data_files=by_split)
+    return dict(loaded)
+
+
+def _split_of(stem: str, default: str | None) -> str | None:
+    words = set(re.split(r"[^a-z]+", stem.lower()))
+    for split, names in SPLIT_WORDS.items():
+        if words.intersection(names):
+            return split
+    return default
+
+
+def _canonical(splits: dict[str, Dataset], where: str) -> dict[str, Dataset]:
+    found: dict[str, Dataset] = {}
+    for name, split in splits.items():
+        canonical = _split_of(name, None)
+        if canonical is not None and canonical not in found:
+            found[canonical] = split
+    if "train" not in found:
+        raise ConfigError.single(
+            "--data-dir",
+            where,
+            f"has no training split (splits: {', '.join(splits) or 'none'})",
+            "provide a split named train",
+        )
+    return found
+
+
+def _looks_like_a_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep + os.sep in name or name.count("/") > 1
+
+
+def hub_unreachable() -> bool:
+    """True when the Hugging Face hub cannot be reached: a 3 s connection probe, so that a
+    machine without network gets a clear error at once instead of minutes of retries. Never
+    true under ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1``, where the libraries read their
+    local cache and fail fast themselves."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in _OFFLINE):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host or "huggingface.co", 443), timeout=3.0).close()
+    except OSError:
+        return True
+    return False
+
+
+_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _from_hub(name: str, config: str | None) -> dict[str, Dataset]:
+    import datasets
+
+    try:
+        if hub_unreachable():
+            raise ConnectionError("the hub did not answer a connection within 3 s")
+        loaded = datasets.load_dataset(name, config)
+    except (ConnectionError, OSError) as exc:
+        raise ConfigError.single(
+            "--data-dir",
+            name,
+            f"is not a local directory, and loading it from the hub failed: no network access "
+            f"to the hub from this machine ({type(exc).__name__})",
+            "download the dataset where the hub is reachable and pass its local directory",
+        ) from exc
+    except ValueError as exc:  # e.g. an unknown configuration of a dataset found in the cache
+        rule = str(exc).splitlines()[0]
+        raise ConfigError.single("--data-name", config, rule, "check it") from exc
+    return _canonical(dict(loaded), name)
