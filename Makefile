@@ -51,6 +51,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/activation_memory.py
 	$(PY) benchmarks/dynamic_shape.py
 	$(PY) benchmarks/preprocess_throughput.py
+	$(PY) benchmarks/optimizers.py
+	$(PY) benchmarks/compile.py
 	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
 	$(PY) -m pip install --quiet -c constraints.txt accelerate
 	$(PY) benchmarks/finetune_vs_hf.py

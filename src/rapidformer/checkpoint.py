@@ -5,6 +5,13 @@ LR scheduler and loss-scaler states, the trainer's progress (step, epoch, positi
 epoch), the plan and config, and one RNG-state file per rank. It is written into a temporary
 directory and renamed into place; the ``latest`` pointer is replaced last. A crash at any moment
 therefore leaves either the previous checkpoint or the new one, never half of one.
+
+Model and optimizer are always written whole (consolidated), whatever the sharding: a
+ZeroRedundancyOptimizer first gathers its partitions on rank 0 (``consolidate_state_dict``),
+an FSDP2 model and its optimizer are gathered with ``torch.distributed.checkpoint.state_dict``
+(full state dicts, on rank 0's CPU). The files have the same format as a DDP run's, so a
+checkpoint resumes on any number of ranks and under any sharding mode (the shards are cut
+again when loading), and ``model.pt`` is already the consolidated state dict to export.
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from rapidformer.accel.sharding import is_fsdp
 from rapidformer.distributed import process_group
 from rapidformer.engine.state import TrainState
 from rapidformer.errors import CheckpointError
@@ -65,11 +81,13 @@ def save_checkpoint(
     process_group.barrier()
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
+    model_state = _full_model_state(state)  # collective under sharding: every rank calls it
+    optimizer_state = _full_optimizer_state(state)
     if rank == 0:
-        # Under DDP every rank holds the same model and optimizer, so rank 0 writes them.
-        torch.save(state.unwrapped_model.state_dict(), staging / "model.pt")
+        # Whole model and optimizer state is on rank 0 (every rank's, under DDP): it writes.
+        torch.save(model_state, staging / "model.pt")
         if state.optimizer is not None:
-            torch.save(state.optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(optimizer_state, staging / "optimizer.pt")
         if state.lr_scheduler is not None:
             torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
         if state.grad_scaler is not None:
@@ -115,9 +133,17 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     """Restore ``state`` (and this rank's RNG) from the checkpoint at ``path``; returns the
     progress record saved with it."""
     try:
-        state.unwrapped_model.load_state_dict(_load(path / "model.pt"))
-        if state.optimizer is not None:
-            state.optimizer.load_state_dict(_load(path / "optimizer.pt"))
+        if is_fsdp(state.model):
+            # Every rank reads the whole file and keeps its own shard of each tensor.
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(state.model, _load(path / "model.pt"), options=options)
+            if state.optimizer is not None:
+                named = _by_fqn(state, _load(path / "optimizer.pt"))
+                set_optimizer_state_dict(state.model, state.optimizer, named, options=options)
+        else:
+            state.unwrapped_model.load_state_dict(_load(path / "model.pt"))
+            if state.optimizer is not None:  # ZeroRedundancyOptimizer takes the whole too
+                state.optimizer.load_state_dict(_load(path / "optimizer.pt"))
         if state.lr_scheduler is not None:
             state.lr_scheduler.load_state_dict(_load(path / "lr_scheduler.pt"))
         if state.grad_scaler is not None:
@@ -131,6 +157,56 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     else:  # resumed on more ranks than saved: new ranks get a fresh, still deterministic seed
         torch.manual_seed(progress["step"] * 1000 + process_group.rank())
     return progress
+
+
+def _full_model_state(state: TrainState) -> dict[str, Any] | None:
+    """The whole model state dict on rank 0 (None elsewhere under FSDP2)."""
+    if not is_fsdp(state.model):
+        return state.unwrapped_model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(state.model, options=options)
+    return full if process_group.rank() == 0 else None
+
+
+def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:
+    """The whole optimizer state dict, in ``torch.optim`` format (parameters numbered in
+    group order), on rank 0; None elsewhere when sharded."""
+    optimizer = state.optimizer
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if process_group.rank() == 0 else None
+    if not is_fsdp(state.model):
+        return optimizer.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    named: dict[str, Any] = dict(get_optimizer_state_dict(state.model, optimizer, options=options))
+    if process_group.rank() != 0:
+        return None
+    # FSDP2's full optimizer state is keyed by parameter name; number them as torch.optim does.
+    names = [name for group in named["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in named["state"].items()},
+        "param_groups": [
+            dict(group, params=[index[n] for n in group["params"]])
+            for group in named["param_groups"]
+        ],
+    }
+
+
+def _by_fqn(state: TrainState, indexed: dict[str, Any]) -> dict[str, Any]:
+    """A ``torch.optim``-format state dict keyed by the current optimizer's parameter names."""
+    assert state.optimizer is not None
+    names = {id(param): name for name, param in state.model.named_parameters()}
+    order = [names[id(p)] for group in state.optimizer.param_groups for p in group["params"]]
+    return {
+        "state": {order[i]: value for i, value in indexed["state"].items()},
+        "param_groups": [
+            dict(group, params=[order[i] for i in group["params"]])
+            for group in indexed["param_groups"]
+        ],
+    }
 
 
 def _load(file: Path) -> Any:

@@ -146,6 +146,7 @@ def test_all_violations_are_reported_at_once() -> None:
         micro_batch_size=3,
         global_batch_size=8,
         cpu_offload=True,
+        clip_grad=-1.0,
         epochs=1,
         hidden_size=10,
         num_attention_heads=4,

@@ -9,6 +9,7 @@ rank starts from the same weights whatever its seed.
 
 from __future__ import annotations
 
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.config.schema import RapidformerConfig
@@ -19,7 +20,7 @@ from rapidformer.engine.state import PlanStep, TrainState
 def apply_data_parallel(
     state: TrainState, config: RapidformerConfig, dims: ParallelDims
 ) -> TrainState:
-    if dims.dp == 1:
+    if dims.dp == 1 or isinstance(state.model, FSDPModule):  # FSDP2 synchronises by itself
         return state
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     state.model = DistributedDataParallel(state.model, device_ids=device_ids)

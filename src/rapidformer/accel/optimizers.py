@@ -1,25 +1,44 @@
-"""The optimizer: AdamW with decoupled weight decay, fused where the device supports it.
+"""The optimizer: AdamW or LAMB, fused or multi-tensor, with weight decay off biases and norms.
+
+``--optimizers apex_adam`` is AdamW with decoupled weight decay; ``apex_lamb`` is LAMB (Adam
+with a per-tensor trust ratio, see ``accel/lamb.py``). NVIDIA apex's FusedAdam / FusedLAMB
+run when apex is importable and the parameters are on CUDA (a user who built apex); otherwise
+``torch.optim.AdamW(fused=True)`` (``foreach=True`` where no fused kernel exists for the
+device or dtype) and rapidformer's multi-tensor :class:`~rapidformer.accel.lamb.Lamb`. The
+plan names the implementation that ran. The fused AdamW kernel updates every parameter in one
+pass instead of a chain of per-tensor ops; on this project's CPUs it is ~40x faster than the
+default for-loop implementation.
 
 Weight decay is not applied to biases and normalisation weights (every parameter with fewer
 than two dimensions): decaying them only pulls LayerNorm gains towards zero and shifts
-activations, with no regularising benefit. The fused AdamW kernel updates every parameter in
-one pass instead of a chain of per-tensor ops; on this project's CPUs it is ~40x faster than the
-default for-loop implementation.
+activations, with no regularising benefit. LAMB also leaves those tensors out of layer
+adaptation (trust ratio 1), as apex does for groups without weight decay.
+
+Sharding builds the optimizer itself around its own parameter shards: it calls
+:func:`optimizer_factory` for the class and keyword arguments (what
+``ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)`` takes) and
+:func:`parameter_groups` for the groups.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from rapidformer.accel.lamb import Lamb
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.engine.state import PlanStep, TrainState
 from rapidformer.errors import ConfigError
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Two groups: matrices and embeddings decay, biases and norm weights do not."""
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: matrices and embeddings decay, biases and norm weights do not (and, under
+    LAMB, keep a trust ratio of 1; the ``trust_ratio`` key is dropped for other optimizers)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
@@ -27,14 +46,19 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, ob
             (decay if param.ndim >= 2 else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": no_decay, "weight_decay": 0.0, "trust_ratio": False},
     ]
 
 
-def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
-    if state.optimizer is not None:
-        state.plan.append(PlanStep("optimizer", "user-supplied", type(state.optimizer).__name__))
-        return state
+def optimizer_factory(
+    config: RapidformerConfig, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[type[Optimizer], dict[str, Any], str]:
+    """The optimizer ``--optimizers`` names for parameters on ``device`` of ``dtype``:
+    ``(class, keyword arguments without params, implementation description)``.
+
+    Call ``cls(parameter_groups(model, config.training.weight_decay), **kwargs)``, or hand
+    ``cls`` and ``kwargs`` to a sharded optimizer as its inner optimizer.
+    """
     lr = config.training.lr
     if lr is None:
         raise ConfigError.single(
@@ -43,22 +67,67 @@ def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: Parallel
             "a learning rate is required to build the optimizer",
             "pass --lr, e.g. --lr 1e-4, or hand compose() an optimizer",
         )
-    groups = parameter_groups(state.unwrapped_model, config.training.weight_decay)
-    try:
-        optimizer = torch.optim.AdamW(groups, lr=lr, fused=True)
-        implementation = "torch.optim.AdamW(fused=True)"
-    except RuntimeError:  # fused kernels exist for CPU and CUDA floats; others fall back
-        optimizer = torch.optim.AdamW(groups, lr=lr, foreach=True)
-        implementation = "torch.optim.AdamW(foreach=True)"
+    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": config.training.weight_decay}
+    apex = _apex_optimizers() if device.type == "cuda" else None
+    if config.optimizer.optimizers == "apex_lamb":
+        if apex is not None:
+            # The engine clips gradients already; apex's own global clipping stays off.
+            kwargs.update(bias_correction=True, adam_w_mode=True, max_grad_norm=float("inf"))
+            return apex.FusedLAMB, kwargs, "apex.optimizers.FusedLAMB"
+        return Lamb, kwargs, "rapidformer Lamb (torch._foreach multi-tensor)"
+    if apex is not None:
+        kwargs.update(adam_w_mode=True)
+        return apex.FusedAdam, kwargs, "apex.optimizers.FusedAdam"
+    if _fused_adamw_supported(device, dtype):
+        return torch.optim.AdamW, {**kwargs, "fused": True}, "torch.optim.AdamW(fused=True)"
+    return torch.optim.AdamW, {**kwargs, "foreach": True}, "torch.optim.AdamW(foreach=True)"
+
+
+def build_optimizer(
+    model: nn.Module, config: RapidformerConfig, device: torch.device
+) -> tuple[Optimizer, str]:
+    """The optimizer over ``model``'s parameter groups and its implementation description."""
+    groups = parameter_groups(model, config.training.weight_decay)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cls, kwargs, implementation = optimizer_factory(config, device, dtype)
+    if cls is not Lamb:
+        groups = [{k: v for k, v in g.items() if k != "trust_ratio"} for g in groups]
+    return cls(groups, **kwargs), implementation
+
+
+def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+    if state.optimizer is not None:
+        state.plan.append(PlanStep("optimizer", "user-supplied", type(state.optimizer).__name__))
+        return state
+    optimizer, implementation = build_optimizer(state.unwrapped_model, config, state.device)
     state.optimizer = optimizer
-    decayed = sum(p.numel() for p in groups[0]["params"])  # type: ignore[attr-defined]
-    total = sum(p.numel() for g in groups for p in g["params"])  # type: ignore[attr-defined]
+    groups = optimizer.param_groups
+    decayed = sum(p.numel() for p in groups[0]["params"])
+    total = sum(p.numel() for g in groups for p in g["params"])
+    lamb = "; under LAMB they keep a trust ratio of 1" if isinstance(optimizer, Lamb) else ""
     state.plan.append(
         PlanStep(
             "optimizer",
             implementation,
-            f"for --optimizers apex_adam; weight decay {config.training.weight_decay} on "
-            f"{decayed}/{total} parameters (biases and norms excluded)",
+            f"for --optimizers {config.optimizer.optimizers}; weight decay "
+            f"{config.training.weight_decay} on {decayed}/{total} parameters (biases and norms "
+            f"excluded{lamb})",
         )
     )
     return state
+
+
+def _apex_optimizers() -> Any:
+    """``apex.optimizers`` when a user has built apex with its CUDA extensions, else None."""
+    try:
+        return importlib.import_module("apex.optimizers")
+    except ImportError:  # apex is not on the package index; most users do not have it
+        return None
+
+
+def _fused_adamw_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has a fused AdamW kernel for this device and floating dtype (the list of
+    devices is torch's own; torch itself only fails at the first step)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return dtype.is_floating_point and device.type in _get_fused_kernels_supported_devices()

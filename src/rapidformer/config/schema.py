@@ -29,6 +29,7 @@ Task = Literal[
 DecayStyle = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "fp16", "bf16"]
 OptimizerName = Literal["apex_adam", "apex_lamb"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +196,16 @@ class GraphConfig:
 
     onnx_runtime_training: bool = False
     """Run the forward and backward passes in ONNX Runtime."""
+    torch_compile: bool = False
+    """Compile each transformer block with torch.compile (after activation checkpointing,
+    before data parallelism and sharding); with --data-iterator dynamic-shape one graph per
+    length bucket."""
+    torch_compile_mode: CompileMode = "default"
+    """torch.compile's mode: default, reduce-overhead (CUDA graphs on GPUs) or max-autotune
+    (benchmarks kernel choices; long compiles). Needs --torch-compile."""
+    torch_compile_cache_dir: str | None = None
+    """Directory for inductor's compiled-kernel cache (TORCHINDUCTOR_CACHE_DIR), reused by
+    later runs; default: inductor's own. Needs --torch-compile."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +213,8 @@ class OptimizerConfig:
     """Which optimizer implementation steps the parameters."""
 
     optimizers: OptimizerName = "apex_adam"
-    """apex_adam: fused AdamW; apex_lamb: fused LAMB (apex when built, else rapidformer's own)."""
+    """apex_adam: AdamW (apex FusedAdam when built, else torch's fused AdamW); apex_lamb: LAMB
+    (apex FusedLAMB when built, else rapidformer's multi-tensor LAMB). The plan names which."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,18 +15,10 @@ from rapidformer.distributed.dims import ParallelDims
 from rapidformer.errors import ConfigError, Violation
 
 NOT_AVAILABLE: dict[str, str] = {
-    "oss_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "oss_sdp_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "fsdp_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "zero_1_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "zero_2_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "zero_3_memory_optimization": "memory optimisations (OSS/SDP/FSDP/ZeRO, issue #5)",
-    "cpu_offload": "CPU offload (issue #5)",
     "onnx_runtime_training": "ONNX Runtime training (issue #6)",
     "tensor_model_parallel_size": "tensor parallelism",
     "pipeline_model_parallel_size": "pipeline parallelism",
     "num_experts": "mixture of experts",
-    "optimizers": "the LAMB optimizer (issue #6)",
 }
 """Switches parsed and validated now but implemented by a later issue: field -> what is
 missing. A value other than the field's default is rejected until the entry is removed."""
@@ -132,8 +124,8 @@ def _memory_flags(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Vio
             f"at most one memory-optimization flag, got {', '.join(flags)}",
             "keep one of them",
         )
-    sharders = {
-        "--zero-1-memory-optimization",
+    sharders = {  # FSDP2 modes: CPUOffloadPolicy (ZeRO-1/OSS keeps whole parameters on DDP)
+        "--oss-sdp-memory-optimization",
         "--zero-2-memory-optimization",
         "--zero-3-memory-optimization",
         "--fsdp-memory-optimization",
@@ -261,6 +253,23 @@ def _not_available(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Vi
         )
 
 
+def _compile_flags(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Violation]:
+    graph = config.graph
+    if graph.torch_compile:
+        return
+    if graph.torch_compile_mode != "default":
+        yield Violation(
+            "--torch-compile-mode", graph.torch_compile_mode, "needs --torch-compile", "add it"
+        )
+    if graph.torch_compile_cache_dir is not None:
+        yield Violation(
+            "--torch-compile-cache-dir",
+            graph.torch_compile_cache_dir,
+            "needs --torch-compile",
+            "add it",
+        )
+
+
 RULES: tuple[Rule, ...] = (
     _positive_integers,
     _choices,
@@ -270,5 +279,6 @@ RULES: tuple[Rule, ...] = (
     _schedule,
     _model_shape,
     _precision,
+    _compile_flags,
     _not_available,
 )

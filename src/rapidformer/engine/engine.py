@@ -23,16 +23,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from rapidformer.accel.checkpointing import apply_activation_checkpointing
+from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.optimizers import apply_optimizer
 from rapidformer.accel.precision import apply_precision
+from rapidformer.accel.sharding import apply_optimizer_sharding, apply_sharding, is_fsdp
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.config.validate import validate
@@ -40,15 +43,24 @@ from rapidformer.distributed import process_group
 from rapidformer.engine.state import TrainState
 from rapidformer.errors import Violation
 from rapidformer.logging import log, setup_console_logging
+from rapidformer.memory import describe, expected_bytes
 
 # The canonical order. Each step's position is deliberate:
 CANONICAL_ORDER = (
     # Checkpointing patches the user's blocks, before anything wraps them.
     apply_activation_checkpointing,
+    # Compile traces the checkpointed blocks (checkpoint becomes a recompute region in the
+    # graph); DDP / FSDP then wrap the compiled blocks, whose parameters are unchanged.
+    apply_compile,
+    # Sharding (FSDP2 for ZeRO-2/3) takes DDP's place: it too must see the final parameters
+    # and forward (blocks already checkpointed), and it replaces DDP, which then steps aside.
+    apply_sharding,
     # DDP wraps the finished module; it must see the final parameters and forward.
     apply_data_parallel,
     # The optimizer is built on the unwrapped module's parameters, after wrapping decided them.
     apply_optimizer,
+    # ZeRO-1/OSS re-partitions the optimizer just built (or supplied) over the ranks.
+    apply_optimizer_sharding,
     # Autocast wraps the outermost forward so DDP's hooks and the blocks all run under it.
     apply_precision,
     # Data comes last: the sampler needs the final data-parallel degree.
@@ -70,6 +82,11 @@ class StepResult:
     """True when the loss scaler found inf/NaN gradients and skipped the update."""
     weight: float
     """Samples (or tokens, when the step reported them) in the global batch."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 gradients), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class RapidformerEngine:
@@ -114,6 +131,7 @@ class RapidformerEngine:
         self._totals = torch.zeros(2, device=self.device)  # [weight, weight x loss] so far
         self._step_totals = self._totals  # the same, summed over ranks, once the step is ready
         self._last_armed = self.accumulation_steps == 1
+        self._sharded_grads = False  # FSDP2: gradients reduce-scattered every micro-step
 
     @property
     def is_main_process(self) -> bool:
@@ -147,6 +165,7 @@ class RapidformerEngine:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
         self.state = state
         self._parameters = list(state.model.parameters())  # clipped every step
+        self._sharded_grads = is_fsdp(state.model)
         self._arm(self.accumulation_steps == 1)
         self.log_plan()
         return state
@@ -164,6 +183,8 @@ class RapidformerEngine:
             self.dims.world_size,
             "\n".join(lines),
         )
+        held, ddp = expected_bytes(self.state.model, self.state.optimizer)
+        log.info("model state on rank 0: %s", describe(held, ddp))
 
     def begin_micro_step(self, *, last: bool) -> None:
         """Declare, before its forward, whether the next micro-batch ends the optimizer step.
@@ -188,8 +209,13 @@ class RapidformerEngine:
         self._totals += torch.stack([count, loss.detach().float() * count])
         if not self._last_armed:
             if self._micro_steps == 1:
-                # Any constant common to the step keeps the scaled losses near 1.
-                self._reference = count.clamp(min=1.0)
+                # Any constant common to the step keeps the scaled losses near 1. FSDP2 sums
+                # gradients over ranks at every micro-step, so there it must be common to
+                # the ranks too (their mean count).
+                reference = count
+                if self._sharded_grads:
+                    reference = process_group.all_reduce_sum(count.clone()) / self.dims.dp
+                self._reference = reference.clamp(min=1.0)
             self._scaled(state, loss * (count / self._reference)).backward()
             self._arm(self._micro_steps + 1 == self.accumulation_steps)
             return
@@ -199,7 +225,9 @@ class RapidformerEngine:
         total_count = totals[0].clamp(min=1e-12)
         dp = float(self.dims.dp)
         if self._micro_steps > 1:
-            grads = [p.grad for p in state.model.parameters() if p.grad is not None]
+            # The parameters as compose() saw them: FSDP2 swaps unsharded ones into the module
+            # between forward and backward, but gradients accumulate on the sharded ones.
+            grads = [_local(p.grad) for p in self._parameters if p.grad is not None]
             torch._foreach_mul_(grads, self._reference * dp / total_count)
         self._scaled(state, loss * (count * dp / total_count)).backward()
         self._step_totals = totals
@@ -218,10 +246,17 @@ class RapidformerEngine:
         scaler = state.grad_scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
+            if self._sharded_grads:
+                # Each rank checked only its own gradient shards for inf/NaN: all must agree
+                # to skip, or the ranks' parameters diverge.
+                for found_inf in scaler._found_inf_per_device(optimizer).values():
+                    process_group.all_reduce_sum(found_inf)
         clip = self.config.training.clip_grad
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self._parameters, clip if clip > 0 else float("inf")
         )
+        if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         lr = optimizer.param_groups[0]["lr"]
         skipped = False
         if scaler is not None:

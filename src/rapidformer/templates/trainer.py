@@ -164,7 +164,7 @@ class Trainer(ABC):
             if cfg.checkpoint.save and (
                 last_step or _due(progress.step, cfg.checkpoint.save_interval)
             ):
-                record = {**asdict(progress), "config": cfg.to_dict()}  # export needs the config
+                record = {**asdict(progress), "config": cfg.to_dict(), "dp": engine.dims.dp}
                 save_checkpoint(cfg.checkpoint.save, progress.step, state, record)
         logger.close()
         return metrics
@@ -255,7 +255,23 @@ class Trainer(ABC):
         saved = load_checkpoint(path, state)
         if self.engine.is_main_process:
             log.info("resumed from %s at step %d", path, saved["step"])
-        return Progress(step=saved["step"], epoch=saved["epoch"], consumed=saved["consumed"])
+        consumed = self._consumed_here(saved)
+        return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
+
+    def _consumed_here(self, saved: dict[str, Any]) -> int:
+        """The micro-batches each rank of this run has consumed in the saved epoch. Ranks take
+        every dp-th sample of the epoch's order, so resuming on another data-parallel size or
+        micro-batch size starts after the same samples if the count divides evenly."""
+        micro, dp = self.config.data.micro_batch_size, self.engine.dims.dp
+        saved_micro = saved.get("config", {}).get("data", {}).get("micro_batch_size", micro)
+        samples = saved["consumed"] * saved_micro * saved.get("dp", dp)
+        if samples % (micro * dp):
+            raise CheckpointError(
+                f"the checkpoint's {samples} samples consumed in its epoch do not split into "
+                f"micro-batches of {micro} on {dp} data-parallel ranks; resume with a "
+                "--micro-batch-size and rank count whose product divides it"
+            )
+        return samples // (micro * dp)
 
     def _step_batches(
         self, state: TrainState, progress: Progress, total_steps: int
