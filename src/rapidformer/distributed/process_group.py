@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +39,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def sum_over_ranks(
+    outputs: Sequence[Mapping[str, Any]], key: str, device: torch.device | None, size: int = 1
+) -> torch.Tensor:
+    """``key`` (a scalar, or a vector of ``size``) summed over this rank's outputs, then over
+    every rank. Every rank must call it, also one that evaluated nothing (it adds zeros):
+    metrics built from such sums count each sample once, however the samples were sharded."""
+    total = torch.zeros(size, dtype=torch.float64, device=device)
+    for output in outputs:
+        total += torch.as_tensor(output[key], dtype=torch.float64, device=device).reshape(-1)
+    return all_reduce_sum(total)
 
 
 def barrier() -> None:

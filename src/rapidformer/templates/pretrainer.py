@@ -186,16 +186,13 @@ class Pretrainer(Trainer):
         }
 
     def compute_metrics(self, outputs: list[Mapping[str, Any]]) -> dict[str, float]:
-        if self.family != "bert" or not outputs:
+        if self.family != "bert":
             return {}
-        keys = ("mlm_correct", "num_tokens", "sop_correct", "samples")
-        totals = torch.stack(
-            [
-                torch.stack([torch.as_tensor(o[k], dtype=torch.float64) for o in outputs]).sum()
-                for k in keys
-            ]
-        ).to(self.device)
-        mlm_correct, masked, sop_correct, samples = process_group.all_reduce_sum(totals).tolist()
+        # Every rank sums, even one without validation batches: the all-reduce must not hang.
+        mlm_correct, masked, sop_correct, samples = (
+            float(process_group.sum_over_ranks(outputs, key, self.device))
+            for key in ("mlm_correct", "num_tokens", "sop_correct", "samples")
+        )
         return {
             "mlm_accuracy": mlm_correct / max(masked, 1.0),
             "sop_accuracy": sop_correct / max(samples, 1.0),

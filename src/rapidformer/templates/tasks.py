@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from rapidformer.distributed import process_group
+from rapidformer.distributed.process_group import sum_over_ranks
 from rapidformer.errors import DataError
 
 if TYPE_CHECKING:
@@ -216,17 +217,6 @@ def _class_names(rows: HFDataset, name: str, nested: bool = False) -> list[str] 
     return list(names) if names else None
 
 
-def _sum(
-    outputs: list[Mapping[str, Any]], key: str, device: torch.device | None, size: int = 1
-) -> torch.Tensor:
-    """``key`` (a scalar, or a vector of ``size``) summed over this rank's outputs, then over
-    every rank."""
-    total = torch.zeros(size, dtype=torch.float64, device=device)
-    for output in outputs:
-        total += torch.as_tensor(output[key], dtype=torch.float64, device=device).reshape(-1)
-    return process_group.all_reduce_sum(total)
-
-
 # ---- sequence classification -------------------------------------------------------------
 class SequenceClassification(Task):
     """One label per text (or text pair): accuracy and macro F1 from a confusion matrix."""
@@ -265,7 +255,7 @@ class SequenceClassification(Task):
     ) -> dict[str, float]:
         assert self.labels is not None
         k = len(self.labels)
-        confusion = _sum(outputs, "confusion", device, size=k * k).view(
+        confusion = sum_over_ranks(outputs, "confusion", device, size=k * k).view(
             k, k
         )  # rows: true label, columns: predicted
         true_positive = confusion.diagonal()
@@ -347,8 +337,11 @@ class TokenClassification(Task):
         valid: Dataset | None,
         device: torch.device | None = None,
     ) -> dict[str, float]:
-        matched, predicted, gold = _sum(outputs, "entities", device, size=3).tolist()
-        correct, tokens = _sum(outputs, "correct", device), _sum(outputs, "num_tokens", device)
+        matched, predicted, gold = sum_over_ranks(outputs, "entities", device, size=3).tolist()
+        correct, tokens = (
+            sum_over_ranks(outputs, "correct", device),
+            sum_over_ranks(outputs, "num_tokens", device),
+        )
         precision, recall = matched / max(predicted, 1), matched / max(gold, 1)
         return {
             "precision": precision,
@@ -580,9 +573,9 @@ class LanguageModeling(Task):
         valid: Dataset | None,
         device: torch.device | None = None,
     ) -> dict[str, float]:
-        loss_sum = _sum(outputs, "loss_sum", device)
-        tokens = _sum(outputs, "num_tokens", device).clamp(min=1)
-        correct = _sum(outputs, "correct", device)
+        loss_sum = sum_over_ranks(outputs, "loss_sum", device)
+        tokens = sum_over_ranks(outputs, "num_tokens", device).clamp(min=1)
+        correct = sum_over_ranks(outputs, "correct", device)
         return {
             "perplexity": math.exp(min(float(loss_sum / tokens), 50.0)),
             "token_accuracy": float(correct / tokens),
