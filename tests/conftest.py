@@ -42,6 +42,15 @@ def _deterministic_threads() -> None:
     torch.set_num_threads(1)
 
 
+MODEL_SHAPE = {
+    # The tiny built-in GPT/BERT shape the model tests share.
+    "vocab_size": 100,
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 16,
+}
+
 DETERMINISTIC_SCRIPT = ROOT / "tests" / "scripts" / "deterministic_trainer.py"
 
 

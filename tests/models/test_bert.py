@@ -13,18 +13,12 @@ from torch import nn
 
 from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.models import BertConfig, BertModel, TransformerBlock
+from tests.conftest import MODEL_SHAPE
 
 MASK_ID = 3
 
 
-TINY = BertConfig(
-    vocab_size=100,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    max_position_embeddings=16,
-    dropout=0.0,
-)
+TINY = BertConfig(**MODEL_SHAPE, dropout=0.0)
 
 
 def tiny(**overrides: Any) -> BertConfig:
@@ -32,13 +26,7 @@ def tiny(**overrides: Any) -> BertConfig:
 
 
 def test_config_defaults() -> None:
-    config = BertConfig(
-        vocab_size=100,
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        max_position_embeddings=16,
-    )
+    config = BertConfig(**MODEL_SHAPE)
     assert (config.type_vocab_size, config.ffn_size, config.dropout) == (2, 128, 0.1)
     assert config.layernorm_epsilon == 1e-12
     assert tiny(ffn_hidden_size=48).ffn_size == 48

@@ -23,25 +23,12 @@ from rapidformer.models import (
     hf_config_for,
     load_hugging_face,
 )
+from tests.conftest import MODEL_SHAPE
 
 transformers = pytest.importorskip("transformers")
 
-GPT_CONFIG = GPTConfig(
-    vocab_size=100,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    max_position_embeddings=16,
-    dropout=0.0,
-)
-BERT_CONFIG = BertConfig(
-    vocab_size=100,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    max_position_embeddings=16,
-    dropout=0.0,
-)
+GPT_CONFIG = GPTConfig(**MODEL_SHAPE, dropout=0.0)
+BERT_CONFIG = BertConfig(**MODEL_SHAPE, dropout=0.0)
 ATOL = 1e-5
 
 

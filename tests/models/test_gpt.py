@@ -13,15 +13,9 @@ from torch import nn
 
 from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.models import GPTConfig, GPTModel, SelfAttention, TransformerBlock
+from tests.conftest import MODEL_SHAPE
 
-TINY = GPTConfig(
-    vocab_size=100,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    max_position_embeddings=16,
-    dropout=0.0,
-)
+TINY = GPTConfig(**MODEL_SHAPE, dropout=0.0)
 
 
 def tiny(**overrides: Any) -> GPTConfig:
@@ -29,13 +23,7 @@ def tiny(**overrides: Any) -> GPTConfig:
 
 
 def test_config_defaults_and_validation() -> None:
-    config = GPTConfig(
-        vocab_size=100,
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        max_position_embeddings=16,
-    )
+    config = GPTConfig(**MODEL_SHAPE)
     assert config.ffn_hidden_size is None and config.ffn_size == 128
     assert tiny(hidden_size=64, num_attention_heads=8).ffn_size == 256
     assert (config.dropout, config.layernorm_epsilon, config.tie_word_embeddings) == (
