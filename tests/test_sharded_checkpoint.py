@@ -1,5 +1,7 @@
-"""Checkpoints of sharded runs are whole (consolidated) state dicts: a run saved on 2 ranks
-resumes on 1 or 4 ranks, in any sharding mode, and its losses continue as if uninterrupted."""
+"""Checkpoints of sharded runs resume on other rank counts: ZeRO-1 writes whole (consolidated)
+state dicts, FSDP2 runs (ZeRO-2/3) write torch.distributed.checkpoint shards, one file per rank,
+that DCP cuts again for the resuming layout. A run saved on 2 ranks resumes on 1 or 4 ranks and
+its losses continue as if uninterrupted; the shards export in one process."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from rapidformer import parse_args
+from rapidformer.checkpoint import consolidated_model_state
 from rapidformer.export import export_checkpoint
 from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.testing import run_distributed
@@ -48,10 +51,15 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one(flag: str, tmp_path: P
     load = str(saved / "iter_0000005")
     tiny_trainer(*RUN, flag, "--load", load, "--save", str(resumed)).fit()
     _assert_continues(saved, resumed)
-    # model.pt is already the consolidated state dict: it loads into the plain model.
-    whole = torch.load(saved / "iter_0000010" / "model.pt", weights_only=True)
+    # ZeRO-1's model.pt is the consolidated state dict; ZeRO-2's shard files (one per rank, no
+    # model.pt) are merged in this process. Both load into the plain model.
+    checkpoint = saved / "iter_0000010"
+    shard_files = sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp"))
+    assert (len(shard_files), (checkpoint / "model.pt").exists()) == (
+        (0, True) if flag == "--zero-1-memory-optimization" else (2, False)
+    )
     model = tiny_trainer(*RUN).build_model()
-    model.load_state_dict(whole)
+    model.load_state_dict(consolidated_model_state(checkpoint))
 
 
 @pytest.mark.distributed
@@ -92,7 +100,7 @@ def test_black_box_zero3_pretraining_exports_to_hugging_face_without_processes(
     export_checkpoint(tmp_path / "run", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     model = Pretrainer(parse_args([*flags, "--train-iters", "1"])).build_model().eval()
-    model.load_state_dict(torch.load(tmp_path / "run" / "iter_0000003" / "model.pt"))
+    model.load_state_dict(consolidated_model_state(tmp_path / "run" / "iter_0000003"))
     ids = torch.randint(0, 200, (1, 16))
     with torch.no_grad():
         assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= 1e-5

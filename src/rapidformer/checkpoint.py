@@ -6,12 +6,18 @@ epoch), the plan and config, and one RNG-state file per rank. It is written into
 directory and renamed into place; the ``latest`` pointer is replaced last. A crash at any moment
 therefore leaves either the previous checkpoint or the new one, never half of one.
 
-Model and optimizer are always written whole (consolidated), whatever the sharding: a
-ZeroRedundancyOptimizer first gathers its partitions on rank 0 (``consolidate_state_dict``),
-an FSDP2 model and its optimizer are gathered with ``torch.distributed.checkpoint.state_dict``
-(full state dicts, on rank 0's CPU). The files have the same format as a DDP run's, so a
-checkpoint resumes on any number of ranks and under any sharding mode (the shards are cut
-again when loading), and ``model.pt`` is already the consolidated state dict to export.
+How model and optimizer are written depends on who holds them:
+
+* unsharded runs (one process, DDP) and ZeRO-1/OSS write them whole (consolidated) from rank 0:
+  ``model.pt`` is the plain state dict, ready to export; a ZeroRedundancyOptimizer first
+  gathers its partitions on rank 0 (``consolidate_state_dict``);
+* FSDP2 runs (SDP/FSDP, ZeRO-2/3) write ``sharded/`` with torch.distributed.checkpoint: each
+  rank its own shards, so no rank ever holds the whole model. DCP reshards when loading, so
+  the checkpoint resumes on any number of ranks and layout (FSDP2, DDP, one process), and
+  :func:`consolidated_model_state` merges the shard files in one process for export;
+* DeepSpeed runs write ``deepspeed/`` through DeepSpeed's own save (see accel/deepspeed.py).
+
+Either kind of checkpoint resumes with continuation that matches the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from rapidformer.accel import deepspeed
 from rapidformer.accel.sharding import is_fsdp
 from rapidformer.distributed import process_group
 from rapidformer.engine.state import TrainState
@@ -41,6 +51,8 @@ from rapidformer.errors import CheckpointError
 
 LATEST = "latest"
 PROGRESS = "progress.json"
+SHARDED = "sharded"
+"""Sub-directory of a checkpoint holding torch.distributed.checkpoint (DCP) shard files."""
 
 
 def iteration_dir(step: int) -> str:
@@ -81,12 +93,20 @@ def save_checkpoint(
     process_group.barrier()
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
-    model_state = _full_model_state(state)  # collective under sharding: every rank calls it
-    optimizer_state = _full_optimizer_state(state)
+    if state.deepspeed is not None:
+        deepspeed.save(state.deepspeed, staging)  # every rank writes its own partitions
+        model_state = optimizer_state = None
+    elif is_fsdp(state.model):
+        _save_sharded(state, staging / SHARDED)  # every rank writes its own shards
+        model_state = optimizer_state = None
+    else:
+        model_state = _full_model_state(state)  # collective under sharding: every rank calls
+        optimizer_state = _full_optimizer_state(state)
     if rank == 0:
         # Whole model and optimizer state is on rank 0 (every rank's, under DDP): it writes.
-        torch.save(model_state, staging / "model.pt")
-        if state.optimizer is not None:
+        if model_state is not None:
+            torch.save(model_state, staging / "model.pt")
+        if optimizer_state is not None:
             torch.save(optimizer_state, staging / "optimizer.pt")
         if state.lr_scheduler is not None:
             torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
@@ -132,8 +152,14 @@ def find_checkpoint(path: str | Path) -> Path | None:
 def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     """Restore ``state`` (and this rank's RNG) from the checkpoint at ``path``; returns the
     progress record saved with it."""
+    progress: dict[str, Any] = json.loads((path / PROGRESS).read_text())
+    _check_backend(path, state, progress)
     try:
-        if is_fsdp(state.model):
+        if state.deepspeed is not None:
+            deepspeed.load(state.deepspeed, path)
+        elif (path / SHARDED).is_dir():
+            _load_sharded(state, path / SHARDED)
+        elif is_fsdp(state.model):
             # Every rank reads the whole file and keeps its own shard of each tensor.
             options = StateDictOptions(full_state_dict=True)
             set_model_state_dict(state.model, _load(path / "model.pt"), options=options)
@@ -150,7 +176,6 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
             state.grad_scaler.load_state_dict(_load(path / "grad_scaler.pt"))
     except (RuntimeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"cannot restore the checkpoint in {path}: {exc}") from exc
-    progress: dict[str, Any] = json.loads((path / PROGRESS).read_text())
     rng_file = path / "rng" / f"rank_{process_group.rank():05d}.pt"
     if rng_file.is_file():
         set_rng_state(_load(rng_file))
@@ -159,40 +184,91 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     return progress
 
 
-def _full_model_state(state: TrainState) -> dict[str, Any] | None:
-    """The whole model state dict on rank 0 (None elsewhere under FSDP2)."""
-    if not is_fsdp(state.model):
-        return state.unwrapped_model.state_dict()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(state.model, options=options)
-    return full if process_group.rank() == 0 else None
+def consolidated_model_state(path: Path) -> dict[str, Any]:
+    """The whole model state dict of the checkpoint at ``path``, read in this one process
+    whichever backend and rank count wrote it."""
+    if deepspeed.is_deepspeed_checkpoint(path):
+        return deepspeed.consolidated_state_dict(path)
+    if (path / SHARDED).is_dir():
+        # DCP's own converter merges every rank's shard files without a process group.
+        with tempfile.TemporaryDirectory() as scratch:
+            whole = Path(scratch) / "whole.pt"
+            dcp_to_torch_save(path / SHARDED, whole)
+            model: dict[str, Any] = _load(whole)["model"]
+        return model
+    state: dict[str, Any] = _load(path / "model.pt")
+    return state
+
+
+def _save_sharded(state: TrainState, directory: Path) -> None:
+    """torch.distributed.checkpoint: each rank writes the shards it holds, rank 0 the metadata
+    that lets any number of ranks read them back (resharding on load)."""
+    content: dict[str, Any] = {"model": get_model_state_dict(state.model)}
+    if state.optimizer is not None:
+        content["optimizer"] = get_optimizer_state_dict(state.model, state.optimizer)
+    dcp.save(content, checkpoint_id=directory)
+
+
+def _load_sharded(state: TrainState, directory: Path) -> None:
+    """Read a DCP checkpoint into this run's layout, whatever rank count wrote it: DCP cuts
+    each tensor to the shards this rank holds (or reads it whole for an unsharded model)."""
+    if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+        raise CheckpointError(
+            f"{directory.parent} is a sharded (DCP) checkpoint of an SDP/FSDP/ZeRO-2/3 run; "
+            "ZeRO-1/OSS cannot read its optimizer shards: resume with one of those flags or "
+            "plain DDP, or export it first"
+        )
+    model = state.model if is_fsdp(state.model) else state.unwrapped_model
+    # The templates say which tensors to read and how this rank holds them; a fresh optimizer
+    # gets (zero) state first so that its template has the moments to fill.
+    content: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if state.optimizer is not None:
+        content["optimizer"] = get_optimizer_state_dict(model, state.optimizer)
+    dcp.load(content, checkpoint_id=directory)
+    set_model_state_dict(model, content["model"])
+    if state.optimizer is not None:
+        set_optimizer_state_dict(model, state.optimizer, content["optimizer"])
+
+
+def _check_backend(path: Path, state: TrainState, progress: dict[str, Any]) -> None:
+    """DeepSpeed's partition files resume only under DeepSpeed, on as many ranks as wrote them;
+    consolidated files only natively. Refuse the rest before touching the model."""
+    written_by_deepspeed = deepspeed.is_deepspeed_checkpoint(path)
+    if written_by_deepspeed and state.deepspeed is None:
+        raise CheckpointError(
+            f"{path} was written by --zero-backend deepspeed and this run uses the native "
+            "backend: resume with --zero-backend deepspeed, or export it first "
+            f"(python -m rapidformer.export {path} OUT) and start from the exported weights"
+        )
+    if state.deepspeed is not None and not written_by_deepspeed:
+        raise CheckpointError(
+            f"{path} holds a native (consolidated) checkpoint and this run uses "
+            "--zero-backend deepspeed: resume it with --zero-backend native"
+        )
+    saved_ranks = progress.get("world_size", 1)
+    if written_by_deepspeed and saved_ranks != process_group.world_size():
+        raise CheckpointError(
+            f"{path} holds DeepSpeed partitions of {saved_ranks} ranks and this run has "
+            f"{process_group.world_size()}: resume on {saved_ranks} ranks, or use the native "
+            "backend (its checkpoints reshard to any rank count)"
+        )
+
+
+def _full_model_state(state: TrainState) -> dict[str, Any]:
+    """The whole model state dict (every rank holds it when the model is not sharded)."""
+    return state.unwrapped_model.state_dict()
 
 
 def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:
     """The whole optimizer state dict, in ``torch.optim`` format (parameters numbered in
-    group order), on rank 0; None elsewhere when sharded."""
+    group order), on rank 0; None elsewhere under ZeRO-1."""
     optimizer = state.optimizer
     if optimizer is None:
         return None
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if process_group.rank() == 0 else None
-    if not is_fsdp(state.model):
-        return optimizer.state_dict()
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    named: dict[str, Any] = dict(get_optimizer_state_dict(state.model, optimizer, options=options))
-    if process_group.rank() != 0:
-        return None
-    # FSDP2's full optimizer state is keyed by parameter name; number them as torch.optim does.
-    names = [name for group in named["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in named["state"].items()},
-        "param_groups": [
-            dict(group, params=[index[n] for n in group["params"]])
-            for group in named["param_groups"]
-        ],
-    }
+    return optimizer.state_dict()
 
 
 def _by_fqn(state: TrainState, indexed: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from rapidformer.checkpoint import PROGRESS, find_checkpoint
+from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.errors import CheckpointError
@@ -44,7 +42,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         )
     tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
     model = build_pretraining_model(config, tokenizer.vocab_size)
-    model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
+    model.load_state_dict(consolidated_model_state(path))
     export_hugging_face(model, str(out_dir), tokenizer=tokenizer.to_hf())
     return Path(out_dir)
 

@@ -45,7 +45,7 @@ def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
     return [p for g in _local_optimizer(optimizer).param_groups for p in g["params"]]
 
 
-def _state_slots(optimizer: Optimizer) -> int:
+def state_slots(optimizer: Optimizer) -> int:
     """Per-parameter state tensors the optimizer keeps (Adam-like: 2; momentum SGD: 1)."""
     defaults = _local_optimizer(optimizer).defaults
     if "betas" in defaults:
@@ -80,11 +80,11 @@ def expected_bytes(model: nn.Module, optimizer: Optimizer | None) -> tuple[State
         gradients=sum(held_bytes(p) for p in params),
         optimizer=0
         if optimizer is None
-        else _state_slots(optimizer) * sum(held_bytes(p) for p in _optimizer_params(optimizer)),
+        else state_slots(optimizer) * sum(held_bytes(p) for p in _optimizer_params(optimizer)),
     )
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in params)
-    slots = 0 if optimizer is None else _state_slots(optimizer)
+    slots = 0 if optimizer is None else state_slots(optimizer)
     ddp = StateBytes(parameters=full, gradients=trainable, optimizer=slots * trainable)
     return held, ddp
 

@@ -200,3 +200,52 @@ def test_cpu_offload_mixed_precision_and_hugging_face_models_under_fsdp2(
     diffs = [abs(a - b) for a, b in zip(record["losses"], reference["losses"], strict=True)]
     assert max(diffs) <= tolerance, diffs  # bf16 compute: close to fp32, not equal
     assert plan_text in "\n".join(record["plan"])
+
+
+def _fp16_overflow_on_one_rank(out: str) -> None:
+    """ZeRO-2 in fp16 on 2 ranks; in step 2 only rank 1's gradient shard holds an inf."""
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    options = {"micro_batch_size": 4, "lr": 1e-3, "zero_2_memory_optimization": True}
+    engine = RapidformerEngine(
+        RapidformerConfig.from_dict({**options, "precision": "fp16"}), builds_optimizer=True
+    )
+    state = engine.compose(_model())
+    rank = engine.env.rank
+    assert state.grad_scaler is not None
+    dataset = MarkovLMDataset(8, vocab_size=64, seed=5)
+    batch = pad_collate([dataset[rank * 4 + i] for i in range(4)])
+
+    def shards() -> list[torch.Tensor]:
+        return [
+            p.to_local().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
+            for p in state.model.parameters()
+        ]
+
+    engine.backward(lm_loss(state.model, batch)["loss"])
+    assert engine.step() is not None
+    scale, before = state.grad_scaler.get_scale(), shards()
+    engine.backward(lm_loss(state.model, batch)["loss"])
+    if rank == 1:  # an overflow only this rank can see: its own shard of one gradient
+        grad = next(p.grad for p in state.model.parameters() if p.grad is not None)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.view(-1)[0] = float("inf")
+    result = engine.step()
+    assert result is not None
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, shards(), strict=True))
+    record = {"skipped": result.skipped, "unchanged": unchanged, "scale": scale}
+    record["scale_after"] = state.grad_scaler.get_scale()
+    (Path(out) / f"rank_{rank}.json").write_text(json.dumps(record))
+    engine.close()
+
+
+@pytest.mark.distributed
+def test_fp16_overflow_seen_by_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    # Each rank checks only its own gradient shards; without the all-reduce of the scaler's
+    # found-inf, rank 0 would step and rank 1 would not, and their parameters would diverge.
+    run_distributed(_fp16_overflow_on_one_rank, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    for record in ranks:
+        assert record["skipped"] and record["unchanged"], record
+        assert record["scale_after"] == record["scale"] / 2, record

@@ -152,3 +152,41 @@ def test_all_violations_are_reported_at_once() -> None:
         num_attention_heads=4,
     )
     assert len(found) >= 5
+
+
+def test_deepspeed_backend_needs_a_zero_stage() -> None:
+    message = _only(zero_backend="deepspeed")
+    assert message.startswith("--zero-backend='deepspeed'")
+    assert "--zero-2-memory-optimization" in message
+
+
+def test_deepspeed_backend_refuses_model_parallelism_and_compile() -> None:
+    zero = {"zero_backend": "deepspeed", "zero_2_memory_optimization": True}
+    found = _violations(4, tensor_model_parallel_size=2, **zero)
+    assert any("tensor (2) or pipeline (1)" in v for v in found), found
+    assert _only(torch_compile=True, **zero).startswith("--torch-compile=True")
+
+
+def test_deepspeed_fp16_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    zero = {"zero_backend": "deepspeed", "zero_1_memory_optimization": True}
+    assert "only on GPUs" in _only(precision="fp16", **zero)
+    assert _only(mixed_precision=True, **zero).startswith("--mixed-precision=True")
+    assert _violations(precision="bf16", **zero) == []
+
+
+def test_deepspeed_missing_is_named_with_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name)
+    )
+    message = _only(zero_backend="deepspeed", zero_3_memory_optimization=True)
+    assert "rapidformer[deepspeed]" in message
+
+
+def test_cpu_offload_under_deepspeed_is_allowed_at_every_stage() -> None:
+    for stage in (1, 2, 3):
+        flags = {f"zero_{stage}_memory_optimization": True, "cpu_offload": True}
+        assert _violations(2, zero_backend="deepspeed", **flags) == []

@@ -30,6 +30,7 @@ DecayStyle = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "fp16", "bf16"]
 OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+ZeroBackend = Literal["native", "deepspeed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,8 +163,13 @@ class MemoryConfig:
     """ZeRO stage 2: optimizer state and gradients sharded."""
     zero_3_memory_optimization: bool = False
     """ZeRO stage 3: optimizer state, gradients and parameters sharded."""
+    zero_backend: ZeroBackend = "native"
+    """Engine behind the ZeRO/OSS/SDP/FSDP flags: native (PyTorch ZeroRedundancyOptimizer and
+    FSDP2) or deepspeed (the DeepSpeed engine runs ZeRO stage 1/2/3, backward and the optimizer
+    step; needs the rapidformer[deepspeed] extra)."""
     cpu_offload: bool = False
-    """Keep sharded model state in CPU memory (needs a ZeRO or FSDP flag)."""
+    """Keep sharded model state in CPU memory (needs a ZeRO or FSDP flag); with --zero-backend
+    deepspeed, ZeRO-Offload of the optimizer state (and of the parameters at stage 3)."""
     checkpoint_activations: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
     storing them."""

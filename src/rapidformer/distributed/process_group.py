@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,13 +21,22 @@ def pick_device(env: LaunchEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: LaunchEnv, device: torch.device) -> bool:
+def init_process_group(env: LaunchEnv, device: torch.device, *, always: bool = False) -> bool:
     """Join the job's process group (nccl on GPUs, gloo on CPUs) when there is more than one
-    rank; returns whether this call created it. The launcher's env:// variables say where the
-    rendezvous is."""
-    if env.world_size == 1 or dist.is_initialized():
+    rank, or ``always`` (a one-rank group, for engines that need one); returns whether this call
+    created it. The launcher's env:// variables say where the rendezvous is."""
+    if dist.is_initialized() or (env.world_size == 1 and not always):
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # Not launched by torchrun: a private rendezvous on a free local port.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+        return True
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
     return True
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +34,12 @@ from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
+from rapidformer.accel.deepspeed import (
+    apply_deepspeed,
+    expected_state_bytes,
+    is_deepspeed,
+    rescale_gradients,
+)
 from rapidformer.accel.optimizers import apply_optimizer
 from rapidformer.accel.precision import apply_precision
 from rapidformer.accel.sharding import apply_optimizer_sharding, apply_sharding, is_fsdp
@@ -64,6 +71,15 @@ CANONICAL_ORDER = (
     # Autocast wraps the outermost forward so DDP's hooks and the blocks all run under it.
     apply_precision,
     # Data comes last: the sampler needs the final data-parallel degree.
+    apply_data,
+)
+
+DEEPSPEED_ORDER = (
+    apply_activation_checkpointing,
+    # The torch optimizer is built first and handed to DeepSpeed, which shards it and takes
+    # over data parallelism, sharding and precision (no DDP, FSDP2 or autocast of ours).
+    apply_optimizer,
+    apply_deepspeed,
     apply_data,
 )
 
@@ -119,7 +135,10 @@ class RapidformerEngine:
         if env.rank == 0:
             setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
         self.device = process_group.pick_device(env)
-        self._owns_process_group = process_group.init_process_group(env, self.device)
+        # DeepSpeed needs a process group even on one rank.
+        self._owns_process_group = process_group.init_process_group(
+            env, self.device, always=is_deepspeed(config)
+        )
         self.accumulation_steps = self.dims.accumulation_steps(config)
         self.state: TrainState | None = None
         self._parameters: list[nn.Parameter] = []
@@ -159,7 +178,8 @@ class RapidformerEngine:
             train_dataloader=train_dataloader,
             eval_dataloader=eval_dataloader,
         )
-        for apply in CANONICAL_ORDER:
+        order = DEEPSPEED_ORDER if is_deepspeed(self.config) else CANONICAL_ORDER
+        for apply in order:
             state = apply(state, self.config, self.dims)
         if lr_scheduler_fn is not None and state.optimizer is not None:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
@@ -183,7 +203,10 @@ class RapidformerEngine:
             self.dims.world_size,
             "\n".join(lines),
         )
-        held, ddp = expected_bytes(self.state.model, self.state.optimizer)
+        if self.state.deepspeed is not None:
+            held, ddp = expected_state_bytes(self.state.deepspeed)
+        else:
+            held, ddp = expected_bytes(self.state.model, self.state.optimizer)
         log.info("model state on rank 0: %s", describe(held, ddp))
 
     def begin_micro_step(self, *, last: bool) -> None:
@@ -207,6 +230,9 @@ class RapidformerEngine:
         )
         self._micro_steps += 1
         self._totals += torch.stack([count, loss.detach().float() * count])
+        if state.deepspeed is not None:
+            self._deepspeed_backward(state.deepspeed, loss, count)
+            return
         if not self._last_armed:
             if self._micro_steps == 1:
                 # Any constant common to the step keeps the scaled losses near 1. FSDP2 sums
@@ -241,6 +267,8 @@ class RapidformerEngine:
         state = self._require_state()
         if not self._ready:
             return None
+        if state.deepspeed is not None:
+            return self._deepspeed_step(state)
         optimizer = state.optimizer
         assert optimizer is not None, "compose() built no optimizer"
         scaler = state.grad_scaler
@@ -260,27 +288,68 @@ class RapidformerEngine:
         lr = optimizer.param_groups[0]["lr"]
         skipped = False
         if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)  # skips the update when gradients hold inf/NaN
-            scaler.update()
-            skipped = scaler.get_scale() < scale_before
+            found_inf = sum(scaler._found_inf_per_device(optimizer).values())
+            skipped = bool(found_inf)
+            # Skipped here rather than left to scaler.step: a fused optimizer over FSDP2's
+            # DTensors was seen to step anyway (tests/accel/test_sharding.py, fp16 overflow).
+            if not skipped:
+                scaler.step(optimizer)
+            scaler.update()  # halves the scale after an overflow, from the same found-inf
         else:
             optimizer.step()
         # A skipped step does not advance the schedule (as in Megatron).
         if state.lr_scheduler is not None and not skipped:
             state.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return self._finish_step(float(grad_norm), lr, skipped)
+
+    def _finish_step(self, grad_norm: float, lr: float, skipped: bool) -> StepResult:
         totals = self._step_totals
         self._reset_accumulation()
         self._arm(self.accumulation_steps == 1)
         weight, loss_sum = totals.tolist()
         return StepResult(
             loss=loss_sum / max(weight, 1e-12),
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             lr=lr,
             skipped=skipped,
             weight=weight,
         )
+
+    def _deepspeed_backward(self, ds: Any, loss: torch.Tensor, count: torch.Tensor) -> None:
+        """DeepSpeed averages gradients over the ranks and (unless told not to) over the
+        accumulation steps; we scale each micro-batch by count / (reference x steps), which is
+        exact when all micro-batches carry the same count, and fix the rest at the boundary."""
+        if self._micro_steps == 1:
+            mean = process_group.all_reduce_sum(count.clone()) / self.dims.dp
+            self._reference = mean.clamp(min=1.0)
+        steps = self.accumulation_steps
+        last = self._last_armed
+        ds.set_gradient_accumulation_boundary(last)
+        ds.backward(loss * (count / (self._reference * steps)), scale_wrt_gas=False)
+        if not last:
+            self._arm(self._micro_steps + 1 == steps)
+            return
+        totals = process_group.all_reduce_sum(self._totals.clone())
+        # What was applied: sum(count x grad) / (reference x steps x dp); what is wanted:
+        # sum(count x grad) / total count.
+        factor = float(self._reference * steps * self.dims.dp / totals[0].clamp(min=1e-12))
+        if abs(factor - 1.0) > 1e-12:
+            rescale_gradients(ds, factor)
+        self._step_totals = totals
+        self._ready = True
+
+    def _deepspeed_step(self, state: TrainState) -> StepResult:
+        """DeepSpeed clips (--clip-grad is in its config), steps and zeroes the gradients."""
+        ds = state.deepspeed
+        assert state.optimizer is not None
+        lr = state.optimizer.param_groups[0]["lr"]
+        ds.step()
+        skipped = not ds.was_step_applied()  # an fp16 overflow step
+        if state.lr_scheduler is not None and not skipped:
+            state.lr_scheduler.step()
+        norm = ds.get_global_grad_norm()
+        return self._finish_step(float(norm) if norm is not None else float("nan"), lr, skipped)
 
     def close(self) -> None:
         """Leave the process group if this engine created it."""

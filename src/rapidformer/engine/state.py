@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,3 +42,6 @@ class TrainState:
     grad_scaler: torch.amp.GradScaler | None = None
     autocast_dtype: torch.dtype | None = None
     plan: list[PlanStep] = field(default_factory=list)
+    deepspeed: Any = None
+    """The DeepSpeed engine under --zero-backend deepspeed (then also ``model``): it runs
+    backward and the optimizer step."""
