@@ -38,8 +38,9 @@ def _train_deepspeed(flag: str, out: str, extra: dict[str, Any]) -> None:
         ("--zero-3-memory-optimization", {"cpu_offload": True}, TOLERANCE),
         # bf16 weights and activations against the fp32 reference (fp32 master weights).
         ("--zero-2-memory-optimization", {"precision": "bf16"}, 5e-3),
+        ("--zero-3-memory-optimization", {"checkpoint_activations": True}, TOLERANCE),
     ],
-    ids=["zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-bf16"],
+    ids=["zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-bf16", "zero3-ckpt"],
 )
 def test_deepspeed_stages_match_the_single_process_reference(
     flag: str, extra: dict[str, Any], tolerance: float, tmp_path: Path
@@ -164,3 +165,28 @@ def test_deepspeed_checkpoint_refuses_another_rank_count_or_backend(tmp_path: Pa
         tiny_trainer(*RUN, flag, *DEEPSPEED, *load).fit()
     with pytest.raises(CheckpointError, match="written by --zero-backend deepspeed"):
         tiny_trainer(*RUN, flag, *load).fit()
+
+
+@pytest.mark.distributed
+def test_deepspeed_epochs_with_a_short_last_step_match_one_native_process(tmp_path: Path) -> None:
+    # 64 samples, global batch 24: two full steps and one of 16 samples per epoch, so the last
+    # step declares its boundary early and its micro-batches do not fill the accumulation.
+    from tests.conftest import read_losses
+
+    epochs = ("--epochs", "2", "--global-batch-size", "24", "--micro-batch-size", "2")
+    single, deepspeed = tmp_path / "single", tmp_path / "deepspeed"
+    _fit_epochs(*epochs, "--save", str(single))
+    flag = "--zero-2-memory-optimization"
+    run_distributed(_fit_epochs, 2, *epochs, flag, *DEEPSPEED, "--save", str(deepspeed))
+    reference, losses = read_losses(single), read_losses(deepspeed)
+    assert sorted(losses) == sorted(reference) == list(range(1, 7))
+    assert max(abs(reference[s] - losses[s]) for s in reference) <= TOLERANCE
+
+
+def _fit_epochs(*flags: str) -> None:
+    import torch
+
+    from tests.conftest import tiny_trainer
+
+    torch.set_num_threads(1)
+    tiny_trainer(*flags).fit()
