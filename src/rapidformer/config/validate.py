@@ -7,7 +7,10 @@ landed yet are violations too (``NOT_AVAILABLE``), so no flag is ever accepted a
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterable, Iterator
+
+import torch
 
 from rapidformer.config.fields import all_fields
 from rapidformer.config.schema import RapidformerConfig
@@ -15,7 +18,6 @@ from rapidformer.distributed.dims import ParallelDims
 from rapidformer.errors import ConfigError, Violation
 
 NOT_AVAILABLE: dict[str, str] = {
-    "onnx_runtime_training": "ONNX Runtime training (issue #6)",
     "tensor_model_parallel_size": "tensor parallelism",
     "pipeline_model_parallel_size": "pipeline parallelism",
     "num_experts": "mixture of experts",
@@ -51,6 +53,16 @@ def validate(
     violations = [v for rule in RULES for v in rule(config, dims)]
     if runs_loop:
         violations.extend(_duration(config))
+    elif config.graph.onnx_runtime_training:
+        violations.append(
+            Violation(
+                "--onnx-runtime-training",
+                True,
+                "only the Trainer templates run train_step in ONNX Runtime; a hand-written "
+                "loop calling the engine would train in torch and ignore the flag",
+                "subclass Trainer (or Pretrainer / Finetuner), or drop the flag",
+            )
+        )
     violations.extend(extra)
     if builds_optimizer and config.training.lr is None:
         violations.append(
@@ -130,7 +142,10 @@ def _memory_flags(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Vio
         "--zero-3-memory-optimization",
         "--fsdp-memory-optimization",
     }
-    if memory.cpu_offload and not sharders.intersection(flags):
+    deepspeed = memory.zero_backend == "deepspeed"
+    if deepspeed:
+        yield from _deepspeed_rules(config, dims)
+    if memory.cpu_offload and not deepspeed and not sharders.intersection(flags):
         yield Violation(
             "--cpu-offload",
             True,
@@ -147,6 +162,51 @@ def _memory_flags(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Vio
             f"(--pipeline-model-parallel-size {dims.pp}); only optimizer-state and gradient "
             "sharding can",
             "use --zero-1-memory-optimization or --zero-2-memory-optimization instead",
+        )
+
+
+def _deepspeed_rules(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Violation]:
+    """What --zero-backend deepspeed needs: DeepSpeed itself, a ZeRO stage to run, and no
+    switch that would fight its engine for the model or the numerics."""
+    flag = "--zero-backend"
+    if importlib.util.find_spec("deepspeed") is None:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "DeepSpeed is not installed",
+            "pip install 'rapidformer[deepspeed]', or use --zero-backend native",
+        )
+    if not config.memory.sharding_flags:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "the DeepSpeed backend runs a ZeRO stage and none was chosen",
+            "add --zero-1-memory-optimization, --zero-2-memory-optimization or "
+            "--zero-3-memory-optimization",
+        )
+    if dims.tp > 1 or dims.pp > 1:
+        yield Violation(
+            flag,
+            "deepspeed",
+            f"DeepSpeed ZeRO is not combined with tensor ({dims.tp}) or pipeline ({dims.pp}) "
+            "parallelism here",
+            "use --zero-backend native, or a tensor/pipeline size of 1",
+        )
+    if config.graph.torch_compile:
+        yield Violation(
+            "--torch-compile",
+            True,
+            "compiled blocks are not run under the DeepSpeed engine (its ZeRO-3 hooks and "
+            "gradient hooks are untested with them)",
+            "drop --torch-compile, or use --zero-backend native",
+        )
+    if config.precision.resolved == "fp16" and not torch.cuda.is_available():
+        precision = config.precision
+        yield Violation(
+            "--mixed-precision" if precision.mixed_precision else "--precision",
+            True if precision.mixed_precision else "fp16",
+            "DeepSpeed runs fp16 only on GPUs and none is present",
+            "use --precision bf16 or fp32 on this machine",
         )
 
 
@@ -270,6 +330,85 @@ def _compile_flags(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Vi
         )
 
 
+def _onnx_runtime(config: RapidformerConfig, dims: ParallelDims) -> Iterator[Violation]:
+    """--onnx-runtime-training runs train_step's forward and backward in ONNX Runtime, torch
+    steps the parameters (rapidformer.accel.onnxruntime): whole, unsharded fp32 models, on one
+    process or data-parallel ranks."""
+    if not config.graph.onnx_runtime_training:
+        return
+    flag = "--onnx-runtime-training"
+    drop = f"or drop {flag}"
+    memory = config.memory
+    for sharding in memory.sharding_flags:
+        yield Violation(
+            sharding,
+            True,
+            f"cannot be combined with {flag}: ORT holds its own whole copy of the parameters",
+            f"remove {sharding} {drop}",
+        )
+    exclusive = {
+        "--cpu-offload": (memory.cpu_offload, "ORT keeps the parameters in its own memory"),
+        "--checkpoint-activations": (
+            memory.checkpoint_activations,
+            "ORT's gradient graph decides what to keep; torch's checkpoint is not exported",
+        ),
+        "--torch-compile": (
+            config.graph.torch_compile,
+            "the forward and backward already run in ONNX Runtime, not in torch",
+        ),
+    }
+    for name, (on, why) in exclusive.items():
+        if on:
+            yield Violation(name, True, f"cannot be combined with {flag}: {why}", f"remove {name}")
+    parallel = {
+        "--tensor-model-parallel-size": dims.tp,
+        "--pipeline-model-parallel-size": dims.pp,
+    }
+    for name, size in parallel.items():
+        if size > 1:
+            yield Violation(
+                name,
+                size,
+                f"must be 1 with {flag}: the exported graph is the whole model on one process",
+                f"use {name} 1 {drop}",
+            )
+    experts = config.moe.num_experts
+    if experts is not None and experts > 1:
+        yield Violation(
+            "--num-experts",
+            experts,
+            f"must be 1 with {flag}: expert routing needs all-to-all collectives in the step",
+            f"remove --num-experts {drop}",
+        )
+    precision = config.precision.resolved
+    if precision != "fp32":
+        yield Violation(
+            "--mixed-precision" if config.precision.mixed_precision else "--precision",
+            True if config.precision.mixed_precision else precision,
+            f"{flag} trains in fp32: the exported graph would not contain torch's autocast",
+            f"use --precision fp32 {drop}",
+        )
+    if not _ort_importable():
+        yield Violation(
+            flag,
+            True,
+            "needs onnxruntime-training and onnx, which cannot be imported",
+            "pip install 'rapidformer[onnx]' (onnxruntime-training has wheels for Python 3.10 "
+            "and 3.11 only; it must not be installed together with the plain onnxruntime "
+            "package, which provides the same module)",
+        )
+
+
+def _ort_importable() -> bool:
+    try:
+        return (
+            importlib.util.find_spec("onnx") is not None
+            and importlib.util.find_spec("onnxruntime.training") is not None
+        )
+    except ImportError:  # onnxruntime itself missing or broken
+        return False
+
+
 RULES: tuple[Rule, ...] = (
     _positive_integers,
     _choices,
@@ -280,5 +419,6 @@ RULES: tuple[Rule, ...] = (
     _model_shape,
     _precision,
     _compile_flags,
+    _onnx_runtime,
     _not_available,
 )

@@ -14,7 +14,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from rapidformer.engine.state import TrainState
 from rapidformer.errors import CheckpointError, DataError, Violation
 from rapidformer.logging import MetricsLogger, log
 from rapidformer.schedules import build_lr_scheduler
+
+if TYPE_CHECKING:
+    from rapidformer.accel.onnxruntime import OrtTrainStep
 
 StepOutput = torch.Tensor | Mapping[str, Any]
 
@@ -75,6 +78,8 @@ class Trainer(ABC):
         self.device = self.engine.device
         self.model: nn.Module | None = None
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
+        self._ort_step: OrtTrainStep | None = None
+        """--onnx-runtime-training: runs train_step's forward and backward in ONNX Runtime."""
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
@@ -129,6 +134,12 @@ class Trainer(ABC):
             lambda optimizer: self.build_lr_scheduler(optimizer, total_steps),
         )
         self.model = state.model
+        if cfg.graph.onnx_runtime_training:
+            from rapidformer.accel.onnxruntime import apply_onnxruntime
+
+            self._ort_step = apply_onnxruntime(
+                self, state, seed=cfg.training.seed, log_plan=engine.is_main_process
+            )
         progress = self._resume(state)
         logger = MetricsLogger(
             enabled=engine.is_main_process,
@@ -173,14 +184,17 @@ class Trainer(ABC):
         """Forward and backward every micro-batch of one step, then step the optimizer."""
         samples = 0
         tokens: torch.Tensor | int = 0
+        train_step = self._ort_step or self.train_step
         for index, batch in enumerate(group):
             # Declared before the forward: under DDP that is when the all-reduce is decided.
             self.engine.begin_micro_step(last=index == len(group) - 1)
-            loss, num_tokens = _loss_and_tokens(self.train_step(move_to_device(batch, self.device)))
+            loss, num_tokens = _loss_and_tokens(train_step(move_to_device(batch, self.device)))
             size = batch_size(batch)
             samples += size
             tokens = tokens + (num_tokens if num_tokens is not None else 0)  # no host sync here
             self.engine.backward(loss, weight=num_tokens if num_tokens is not None else size)
+        if self._ort_step is not None:
+            self._ort_step.sync_gradients()  # what DDP's backward does in eager mode
         result = self.engine.step()
         assert result is not None, "the last micro-batch was declared, so the step must run"
         return result, samples, tokens
