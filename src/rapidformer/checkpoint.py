@@ -26,14 +26,14 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -112,6 +112,8 @@ def save_checkpoint(
             torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
         if state.grad_scaler is not None:
             torch.save(state.grad_scaler.state_dict(), staging / "grad_scaler.pt")
+        if state.deepspeed is not None:
+            progress = dict(progress, deepspeed_stage=state.deepspeed.zero_optimization_stage())
         record = dict(
             progress,
             step=step,
@@ -174,7 +176,8 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
             state.lr_scheduler.load_state_dict(_load(path / "lr_scheduler.pt"))
         if state.grad_scaler is not None:
             state.grad_scaler.load_state_dict(_load(path / "grad_scaler.pt"))
-    except (RuntimeError, KeyError, ValueError) as exc:
+    # DCP's CheckpointException derives from BaseException: named so it cannot escape.
+    except (RuntimeError, KeyError, ValueError, OSError, CheckpointException) as exc:
         raise CheckpointError(f"cannot restore the checkpoint in {path}: {exc}") from exc
     rng_file = path / "rng" / f"rank_{process_group.rank():05d}.pt"
     if rng_file.is_file():
@@ -190,14 +193,38 @@ def consolidated_model_state(path: Path) -> dict[str, Any]:
     if deepspeed.is_deepspeed_checkpoint(path):
         return deepspeed.consolidated_state_dict(path)
     if (path / SHARDED).is_dir():
-        # DCP's own converter merges every rank's shard files without a process group.
-        with tempfile.TemporaryDirectory() as scratch:
-            whole = Path(scratch) / "whole.pt"
-            dcp_to_torch_save(path / SHARDED, whole)
-            model: dict[str, Any] = _load(whole)["model"]
-        return model
+        return _merged_model_shards(path / SHARDED)
     state: dict[str, Any] = _load(path / "model.pt")
     return state
+
+
+def _merged_model_shards(directory: Path) -> dict[str, Any]:
+    """Read every rank's model shards of a DCP checkpoint into whole tensors, in this process
+    and without the optimizer state: the metadata gives each tensor's shape and dtype, DCP
+    fills them from whichever files hold the pieces."""
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    template: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            template[key.removeprefix("model.")] = torch.empty(
+                item.size, dtype=item.properties.dtype
+            )
+    content = {"model": template}
+    dcp.load(content, checkpoint_id=directory, no_dist=True)
+    return content["model"]
+
+
+def gathered_model_state(state: TrainState) -> dict[str, Any] | None:
+    """The whole model state dict of a running job on rank 0 (None elsewhere), whatever holds
+    the shards; every rank must call it (FSDP2 and DeepSpeed gather collectively)."""
+    if state.deepspeed is not None:
+        full: dict[str, Any] = deepspeed.full_state_dict(state.deepspeed)
+    elif is_fsdp(state.model):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(state.model, options=options)
+    else:
+        full = state.unwrapped_model.state_dict()
+    return full if process_group.rank() == 0 else None
 
 
 def _save_sharded(state: TrainState, directory: Path) -> None:
@@ -242,9 +269,17 @@ def _check_backend(path: Path, state: TrainState, progress: dict[str, Any]) -> N
         )
     if state.deepspeed is not None and not written_by_deepspeed:
         raise CheckpointError(
-            f"{path} holds a native (consolidated) checkpoint and this run uses "
-            "--zero-backend deepspeed: resume it with --zero-backend native"
+            f"{path} was written by the native backend and this run uses --zero-backend "
+            "deepspeed: resume it with --zero-backend native"
         )
+    saved_stage = progress.get("deepspeed_stage")
+    if state.deepspeed is not None and saved_stage is not None:
+        stage = state.deepspeed.zero_optimization_stage()
+        if saved_stage != stage:
+            raise CheckpointError(
+                f"{path} holds DeepSpeed ZeRO stage {saved_stage} partitions and this run "
+                f"uses stage {stage}: resume with the ZeRO flag of stage {saved_stage}"
+            )
     saved_ranks = progress.get("world_size", 1)
     if written_by_deepspeed and saved_ranks != process_group.world_size():
         raise CheckpointError(

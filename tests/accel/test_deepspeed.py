@@ -165,6 +165,25 @@ def test_deepspeed_checkpoint_refuses_another_rank_count_or_backend(tmp_path: Pa
         tiny_trainer(*RUN, flag, *DEEPSPEED, *load).fit()
     with pytest.raises(CheckpointError, match="written by --zero-backend deepspeed"):
         tiny_trainer(*RUN, flag, *load).fit()
+    # Same ranks, another stage: refused before DeepSpeed reads a file.
+    out = tmp_path / "errors"
+    out.mkdir()
+    run_distributed(_resume_expecting_error, 2, str(out), "--zero-3-memory-optimization", *load)
+    assert "stage 2 partitions and this run uses stage 3" in (out / "rank_0.txt").read_text()
+
+
+def _resume_expecting_error(out: str, *flags: str) -> None:
+    import torch
+
+    from rapidformer.errors import CheckpointError
+    from tests.conftest import tiny_trainer
+
+    torch.set_num_threads(1)
+    trainer = tiny_trainer(*RUN, *DEEPSPEED, *flags)
+    try:
+        trainer.fit()
+    except CheckpointError as error:
+        Path(out, f"rank_{trainer.engine.env.rank}.txt").write_text(str(error))
 
 
 @pytest.mark.distributed

@@ -190,3 +190,11 @@ def test_cpu_offload_under_deepspeed_is_allowed_at_every_stage() -> None:
     for stage in (1, 2, 3):
         flags = {f"zero_{stage}_memory_optimization": True, "cpu_offload": True}
         assert _violations(2, zero_backend="deepspeed", **flags) == []
+
+
+def test_deepspeed_refuses_lamb_and_onnx_runtime() -> None:
+    zero = {"zero_backend": "deepspeed", "zero_2_memory_optimization": True}
+    message = _only(optimizers="apex_lamb", **zero)
+    assert message.startswith("--optimizers='apex_lamb'") and "trust ratio" in message
+    found = _violations(onnx_runtime_training=True, **zero)
+    assert any("DeepSpeed cannot own them too" in v for v in found), found

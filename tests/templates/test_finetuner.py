@@ -246,3 +246,36 @@ def test_white_box_subclass_overrides_one_hook(models: dict[str, Path], tmp_path
         if "pooler" not in name:
             assert torch.equal(value, tuned.bert.state_dict()[name]), name
     assert tuned.config.id2label == {0: "carries", 1: "finds", 2: "paints", 3: "sells"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["native", "deepspeed"])
+def test_zero3_fine_tuning_evaluates_uneven_shards_and_saves_the_whole_model(
+    backend: str, models: dict[str, Path], tmp_path: Path
+) -> None:
+    # 97 validation rows in micro-batches of 8: rank 0 runs 7 eval forwards, rank 1 six. Under
+    # ZeRO-3 each forward all-gathers parameters, so rank 1 must join a seventh (discarded) one
+    # or both hang. The saved model is gathered from the shards (DeepSpeed: its fp32 masters).
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    data = task_dataset("sequence_classification", tmp_path / "data", train=512, validation=97)
+    flags = _task_flags("sequence_classification", models["bert"], data, steps=4)
+    flags += ["--zero-3-memory-optimization", "--zero-backend", backend, "--eval-interval", "2"]
+    assert main([*flags, "--save", str(tmp_path / "single")]) == 0
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
+        *("-m", "rapidformer", *flags, "--save", str(tmp_path / "sharded")),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single, sharded = _eval_records(tmp_path / "single"), _eval_records(tmp_path / "sharded")
+    assert [r["step"] for r in sharded] == [2, 4]
+    for one, two in zip(single, sharded, strict=True):
+        assert abs(one["eval_loss"] - two["eval_loss"]) <= 1e-4, (one, two)
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoModelForSequenceClassification
+    saved = auto.from_pretrained(tmp_path / "sharded").state_dict()
+    reference = auto.from_pretrained(tmp_path / "single").state_dict()
+    assert saved.keys() == reference.keys()
+    assert all(saved[k].dtype == torch.float32 and saved[k].numel() for k in saved)
+    assert max((saved[k] - reference[k]).abs().max().item() for k in saved) <= 1e-3

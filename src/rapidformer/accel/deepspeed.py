@@ -137,14 +137,25 @@ def apply_deepspeed(state: TrainState, config: RapidformerConfig, dims: Parallel
     return state
 
 
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The whole model state dict with the fp32 master weights (not the bf16/fp16 copies the
+    module computes with), gathered from every rank's partitions: a collective, every rank
+    calls it and gets the whole dict."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    full = {name: safe_get_full_fp32_param(p).cpu() for name, p in module.named_parameters()}
+    # Buffers (and anything else the state dict holds) are whole on every rank.
+    names = set(full)
+    for name, tensor in module.state_dict().items():
+        if name not in names and tensor.numel():
+            full[name] = tensor.cpu()
+    return full
+
+
 def rescale_gradients(engine: Any, factor: float) -> None:
     """Multiply the gradients DeepSpeed holds for the coming step (reduced and partitioned)."""
-    from deepspeed.utils import (
-        safe_get_full_grad,
-        safe_get_local_grad,
-        safe_set_full_grad,
-        safe_set_local_grad,
-    )
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
     optimizer = engine.optimizer
     stage3 = engine.zero_optimization_stage() == 3
@@ -159,17 +170,29 @@ def rescale_gradients(engine: Any, factor: float) -> None:
         for key in norms:
             norms[key] = norms[key] * abs(factor)
         return
+    if not stage3 and not hasattr(optimizer, "averaged_gradients"):
+        # Another wrapper (e.g. BF16_Optimizer): DeepSpeed's gradient API (communicates).
+        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+        for param in engine.module.parameters():
+            grad = safe_get_full_grad(param) if param.requires_grad else None
+            if grad is not None:
+                safe_set_full_grad(param, grad * factor)
+        return
+    if not stage3:
+        # Stage 1/2 hold the step's reduced gradient partitions in ``averaged_gradients``, which
+        # step() flattens: scaling them in place needs no communication (DeepSpeed's
+        # safe_set_full_grad would all-reduce every parameter's whole gradient).
+        grads = [
+            g for part in optimizer.averaged_gradients.values() for g in part or () if g is not None
+        ]
+        torch._foreach_mul_(grads, factor)
+        return
     for param in engine.module.parameters():
-        if not param.requires_grad:
-            continue
-        if stage3:  # each rank rescales its own partition: no communication
+        if param.requires_grad:  # each rank rescales its own partition: no communication
             grad = safe_get_local_grad(param)
             if grad is not None:
                 safe_set_local_grad(param, grad * factor)
-        else:
-            grad = safe_get_full_grad(param)
-            if grad is not None:
-                safe_set_full_grad(param, grad * factor)
 
 
 def held_state_bytes(engine: Any) -> StateBytes:

@@ -125,7 +125,12 @@ def plan_step(ranks: int = 1) -> PlanStep:
     )
     if ranks > 1:  # DDP's wrapper stays in the plan, but its hooks are idle
         engine += f", gradients averaged over {ranks} ranks by rapidformer instead of DDP"
-    return PlanStep("ONNX Runtime training", engine)
+    # The onnxruntime-training wheel is a CPU build: say so, above all on a GPU machine, where
+    # every step copies parameters and gradients between the devices.
+    detail = "CPU execution provider"
+    if torch.cuda.is_available():
+        detail += "; the model's parameters are on CUDA: each step copies them to the CPU"
+    return PlanStep("ONNX Runtime training", engine, detail)
 
 
 class _OrtLoss(torch.autograd.Function):
@@ -241,6 +246,9 @@ class OrtTrainStep:
             session = self._build(keys, tensors, rebuild)
             self.sessions[signature] = session
         self._load_parameters(session)
+        # ORT's own generator draws the dropout masks: seed it from torch's, whose state every
+        # checkpoint saves per rank, so a resumed run draws the masks an uninterrupted one would.
+        self.ort.set_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
         inputs = [np.ascontiguousarray(tensors[i].detach().cpu().numpy()) for i in session.inputs]
         outputs = session.module(*inputs)
         if not isinstance(outputs, tuple):

@@ -99,7 +99,11 @@ def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: Parallel
     if state.optimizer is not None:
         state.plan.append(PlanStep("optimizer", "user-supplied", type(state.optimizer).__name__))
         return state
-    optimizer, implementation = build_optimizer(state.unwrapped_model, config, state.device)
+    device = state.device
+    if config.memory.zero_backend == "deepspeed" and config.memory.cpu_offload:
+        # ZeRO-Offload steps the optimizer on CPU partitions: no CUDA-only (apex) kernels.
+        device = torch.device("cpu")
+    optimizer, implementation = build_optimizer(state.unwrapped_model, config, device)
     state.optimizer = optimizer
     groups = optimizer.param_groups
     decayed = sum(p.numel() for p in groups[0]["params"])

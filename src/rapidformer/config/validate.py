@@ -192,6 +192,22 @@ def _deepspeed_rules(config: RapidformerConfig, dims: ParallelDims) -> Iterator[
             "parallelism here",
             "use --zero-backend native, or a tensor/pipeline size of 1",
         )
+    if config.optimizer.optimizers == "apex_lamb":
+        yield Violation(
+            "--optimizers",
+            "apex_lamb",
+            "DeepSpeed ZeRO flattens each parameter group into one partition per rank, so "
+            "LAMB's per-tensor trust ratio would be computed per partition (not LAMB, and "
+            "different for every rank count)",
+            "use --optimizers apex_adam, or --zero-backend native (LAMB works there)",
+        )
+    if config.graph.onnx_runtime_training:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "ONNX Runtime runs the forward and backward itself; DeepSpeed cannot own them too",
+            "drop --onnx-runtime-training or --zero-backend deepspeed",
+        )
     if config.graph.torch_compile:
         yield Violation(
             "--torch-compile",

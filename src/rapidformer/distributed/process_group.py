@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,13 +28,8 @@ def init_process_group(env: LaunchEnv, device: torch.device, *, always: bool = F
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
-        # Not launched by torchrun: a private rendezvous on a free local port.
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
+        # Not launched by torchrun: a group of one needs no rendezvous, an in-memory store.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return True
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
     return True
@@ -50,6 +44,17 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over every rank (``value`` itself on one process)."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def sum_over_ranks(

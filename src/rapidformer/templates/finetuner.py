@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.distributed import process_group
@@ -274,12 +275,17 @@ class Finetuner(Trainer):
         return metrics
 
     def save_pretrained(self, out_dir: str | Path) -> None:
-        """Write the trained model and its tokenizer for ``from_pretrained`` (rank 0 only)."""
-        model = self.model
+        """Write the trained model and its tokenizer for ``from_pretrained``; every rank calls
+        it (a sharded model is gathered first), rank 0 writes."""
+        state = self.engine.state
+        model = state.unwrapped_model if state is not None else self.model
         while isinstance(model, DistributedDataParallel):
             model = model.module
+        # Under FSDP2 or DeepSpeed the module holds shards (or 16-bit copies): gather the whole
+        # fp32 weights and hand them to save_pretrained.
+        full = gathered_model_state(state) if state is not None else None
         if self.engine.is_main_process and model is not None:
-            model.save_pretrained(out_dir)  # type: ignore[operator]
+            model.save_pretrained(out_dir, state_dict=full)  # type: ignore[operator]
             self.tokenizer.save_pretrained(str(out_dir))
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
+from rapidformer.accel.sharding import is_fsdp
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.schema import RapidformerConfig
@@ -178,6 +179,8 @@ class Trainer(ABC):
                 record = {**asdict(progress), "config": cfg.to_dict(), "dp": engine.dims.dp}
                 save_checkpoint(cfg.checkpoint.save, progress.step, state, record)
         logger.close()
+        if self._ort_step is not None:
+            self._ort_step.close()  # ORT's graphs and parameter copies, and their files
         return metrics
 
     def _train_one_step(self, group: list[Any]) -> tuple[StepResult, int, torch.Tensor | int]:
@@ -201,8 +204,10 @@ class Trainer(ABC):
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Mean eval loss over this rank's share of the validation set, summed over ranks,
-        plus ``compute_metrics``. Runs the unwrapped model: no collective per batch, so ranks
-        may hold different numbers of batches."""
+        plus ``compute_metrics``. Runs the unwrapped model. Ranks may hold different numbers of
+        batches; when the model's forward is itself a collective (FSDP2 and DeepSpeed ZeRO-3
+        gather parameters), a rank that runs out repeats forwards whose outputs it discards,
+        until every rank has run as many as the rank with the most."""
         loader = state.eval_dataloader
         assert loader is not None
         training_model = self.model
@@ -211,11 +216,18 @@ class Trainer(ABC):
         totals = torch.zeros(2, device=self.device)
         outputs: list[Mapping[str, Any]] = []
         limit = self.config.training.eval_iters
+        count = len(loader) if limit is None else min(len(loader), limit)
+        lockstep = _forward_is_collective(state)
+        if lockstep:
+            count = process_group.all_reduce_max(count)
         try:
             with torch.no_grad(), _autocast(state):
-                for index, batch in enumerate(loader):
-                    if limit is not None and index >= limit:
-                        break
+                batches = iter(loader)
+                for _ in range(count):
+                    batch = next(batches, None)
+                    if batch is None:  # lockstep only: this rank's share is done
+                        self.eval_step(move_to_device(_filler_batch(loader), self.device))
+                        continue
                     output = self.eval_step(move_to_device(batch, self.device))
                     loss, num_tokens = _loss_and_tokens(output)
                     weight = float(num_tokens) if num_tokens is not None else batch_size(batch)
@@ -319,6 +331,20 @@ class Trainer(ABC):
                 group = []
             progress.epoch += 1
             progress.consumed = 0
+
+
+def _forward_is_collective(state: TrainState) -> bool:
+    """Whether a forward of the unwrapped model all-gathers parameters across ranks."""
+    if not process_group.is_distributed():
+        return False
+    if state.deepspeed is not None:
+        return bool(state.deepspeed.zero_optimization_stage() == 3)
+    return is_fsdp(state.unwrapped_model)
+
+
+def _filler_batch(loader: DataLoader) -> Any:
+    """A batch of the validation set's first sample, for forwards a rank only joins."""
+    return loader.collate_fn([loader.dataset[0]])
 
 
 def seed_everything(seed: int) -> None:
