@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,12 +240,31 @@ def test_gradients_match_eager_for_each_batch_shape() -> None:
     step.close()
 
 
+def _assert_ort_gradients_match_eager(
+    model: torch.nn.Module, train_step: Any, batch: dict[str, torch.Tensor], every: bool = True
+) -> dict[str, torch.Tensor]:
+    """One backward through ORT and one in torch: the parameters' gradients agree (``every``:
+    each parameter has one). Returns ORT's gradients."""
+    from rapidformer.accel.onnxruntime import OrtTrainStep
+
+    step = OrtTrainStep(train_step, model)
+    step(batch)["loss"].backward()
+    ort = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    train_step(batch).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None or not every, name
+        if p.grad is not None:
+            torch.testing.assert_close(ort[name], p.grad, rtol=1e-4, atol=1e-6)
+    step.close()
+    return ort
+
+
 def test_tied_weights_get_the_gradient_of_both_uses(tmp_path: Path) -> None:
     """BERT's MLM decoder shares the word embeddings (and their padding row)."""
     _ort()
     import transformers
 
-    from rapidformer.accel.onnxruntime import OrtTrainStep
     from rapidformer.testing.finetune import tiny_model
 
     model = transformers.BertForMaskedLM.from_pretrained(tiny_model("bert", tmp_path / "m"))
@@ -253,15 +273,7 @@ def test_tied_weights_get_the_gradient_of_both_uses(tmp_path: Path) -> None:
     labels = ids.clone()
     labels[:, ::2] = -100
     batch = {"input_ids": ids, "labels": labels}
-    step = OrtTrainStep(lambda b: model(**b).loss, model)
-    step(batch)["loss"].backward()
-    ort = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    model(**batch).loss.backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None
-        torch.testing.assert_close(ort[name], p.grad, rtol=1e-4, atol=1e-6)
-    step.close()
+    _assert_ort_gradients_match_eager(model, lambda b: model(**b).loss, batch)
 
 
 def test_gpt2_classifier_and_a_batch_tensor_the_step_does_not_read(tmp_path: Path) -> None:
@@ -271,7 +283,6 @@ def test_gpt2_classifier_and_a_batch_tensor_the_step_does_not_read(tmp_path: Pat
     _ort()
     import transformers
 
-    from rapidformer.accel.onnxruntime import OrtTrainStep
     from rapidformer.testing.finetune import tiny_model
 
     path = tiny_model("gpt2", tmp_path / "m")
@@ -285,15 +296,7 @@ def test_gpt2_classifier_and_a_batch_tensor_the_step_does_not_read(tmp_path: Pat
     def train_step(b: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(input_ids=b["input_ids"], labels=b["labels"]).loss
 
-    step = OrtTrainStep(train_step, model)
-    step(batch)["loss"].backward()
-    ort = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    train_step(batch).backward()
-    for name, p in model.named_parameters():
-        assert p.grad is not None
-        torch.testing.assert_close(ort[name], p.grad, rtol=1e-4, atol=1e-6)
-    step.close()
+    _assert_ort_gradients_match_eager(model, train_step, batch)
 
 
 def test_t5_position_bias_gradient_through_a_broadcasting_where(tmp_path: Path) -> None:
@@ -303,7 +306,6 @@ def test_t5_position_bias_gradient_through_a_broadcasting_where(tmp_path: Path) 
     _ort()
     import transformers
 
-    from rapidformer.accel.onnxruntime import OrtTrainStep
     from rapidformer.testing.finetune import tiny_model
 
     model = transformers.T5ForConditionalGeneration.from_pretrained(tiny_model("t5", tmp_path))
@@ -313,16 +315,8 @@ def test_t5_position_bias_gradient_through_a_broadcasting_where(tmp_path: Path) 
     mask[:2, 9:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
     batch["labels"] = torch.randint(5, 100, (4, 5), generator=generator)
-    step = OrtTrainStep(lambda b: model(**b).loss, model)
-    step(batch)["loss"].backward()
-    ort = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    model(**batch).loss.backward()
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(ort[name], p.grad, rtol=1e-4, atol=1e-6)
+    ort = _assert_ort_gradients_match_eager(model, lambda b: model(**b).loss, batch, every=False)
     assert any("relative_attention_bias" in name for name in ort)
-    step.close()
 
 
 def _record(name: str, train: float, evaluation: float) -> None:
