@@ -7,6 +7,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -17,7 +18,12 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]
+    rank: int,
+    world_size: int,
+    port: int,
+    finished: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -27,6 +33,12 @@ def _worker(
         MASTER_PORT=str(port),
     )
     fn(*args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Rank 0 hosts the rendezvous store: if it exits while another rank is still tearing its
+    # process group down, that rank's store client aborts the process ("terminate called
+    # without an active exception"). Nobody leaves before everybody is done.
+    finished.wait(timeout=300)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
@@ -35,9 +47,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     ``fn`` must be importable (a module-level function) and should write its results to files;
     an exception on any rank is re-raised here.
     """
+    finished = mp.get_context("spawn").Barrier(world_size)
     mp.start_processes(
         _worker,
-        args=(world_size, _free_port(), fn, args),
+        args=(world_size, _free_port(), finished, fn, args),
         nprocs=world_size,
         join=True,
         start_method="spawn",
