@@ -100,8 +100,8 @@ def save_checkpoint(
         _save_sharded(state, staging / SHARDED)  # every rank writes its own shards
         model_state = optimizer_state = None
     else:
-        model_state = _full_model_state(state)  # collective under sharding: every rank calls
-        optimizer_state = _full_optimizer_state(state)
+        model_state = state.unwrapped_model.state_dict()  # whole on every rank
+        optimizer_state = _full_optimizer_state(state)  # ZeRO-1 gathers: every rank calls
     if rank == 0:
         # Whole model and optimizer state is on rank 0 (every rank's, under DDP): it writes.
         if model_state is not None:
@@ -287,11 +287,6 @@ def _check_backend(path: Path, state: TrainState, progress: dict[str, Any]) -> N
             f"{process_group.world_size()}: resume on {saved_ranks} ranks, or use the native "
             "backend (its checkpoints reshard to any rank count)"
         )
-
-
-def _full_model_state(state: TrainState) -> dict[str, Any]:
-    """The whole model state dict (every rank holds it when the model is not sharded)."""
-    return state.unwrapped_model.state_dict()
 
 
 def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:

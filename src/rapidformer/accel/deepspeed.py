@@ -11,13 +11,14 @@ What stays ours:
 
 * the optimizer: the torch optimizer rapidformer built (or the user handed compose()) is given
   to DeepSpeed, which steps it on its partitions. This also keeps DeepSpeed's JIT-compiled ops
-  (fused/CPU Adam) out of the path: nothing is compiled on first use.
+  (fused/CPU Adam) out of the path (on a CPU, DeepSpeed still builds its shared-memory
+  communication op once per machine).
 * the LR schedule: our scheduler sets the learning rate on that optimizer's groups, which
   DeepSpeed's partitions share.
 * exact, count-weighted accumulation: each micro-batch's loss is scaled by its count over a
   rank-common reference; at the step's last micro-batch, when the global count is known, a
-  step whose micro-batches were not all equal has its (already reduced) gradients rescaled
-  through DeepSpeed's own gradient API, before DeepSpeed clips and steps.
+  step whose micro-batches were not all equal has its (already reduced) gradient partitions
+  rescaled in place on each rank (:func:`rescale_gradients`), before DeepSpeed clips and steps.
 
 Checkpoints go through DeepSpeed's save/load (each rank writes its partitions);
 :func:`consolidated_state_dict` rebuilds the whole fp32 model from them in one process.
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from rapidformer.accel.sharding import sharding_mode
 from rapidformer.config.schema import RapidformerConfig
@@ -58,15 +58,11 @@ def _mode(config: RapidformerConfig) -> tuple[str, str]:
     return mode
 
 
-def stage_of(config: RapidformerConfig) -> int:
-    return _STAGES[_mode(config)[0]]
-
-
 def deepspeed_config(
     config: RapidformerConfig, dims: ParallelDims, accumulation_steps: int
 ) -> dict[str, Any]:
     """The DeepSpeed config our flags mean."""
-    stage = stage_of(config)
+    stage = _STAGES[_mode(config)[0]]
     micro = config.data.micro_batch_size
     zero: dict[str, Any] = {
         "stage": stage,
@@ -154,12 +150,18 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def rescale_gradients(engine: Any, factor: float) -> None:
-    """Multiply the gradients DeepSpeed holds for the coming step (reduced and partitioned)."""
-    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
-
+    """Multiply the gradients DeepSpeed holds for the coming step (reduced and partitioned).
+    Each rank scales its own partitions: no communication."""
     optimizer = engine.optimizer
-    stage3 = engine.zero_optimization_stage() == 3
-    if not stage3 and getattr(optimizer, "cpu_offload", False):
+    if engine.zero_optimization_stage() == 3:
+        from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+        for param in engine.module.parameters():
+            grad = safe_get_local_grad(param) if param.requires_grad else None
+            if grad is not None:
+                safe_set_local_grad(param, grad * factor)
+        return
+    if getattr(optimizer, "cpu_offload", False):
         # ZeRO-Offload at stage 1/2 accumulates the step's gradient straight into the fp32
         # CPU partitions and keeps each parameter's gradient norm for clipping, out of reach
         # of the gradient API: scale both (tests/accel/test_deepspeed.py guards this).
@@ -170,29 +172,11 @@ def rescale_gradients(engine: Any, factor: float) -> None:
         for key in norms:
             norms[key] = norms[key] * abs(factor)
         return
-    if not stage3 and not hasattr(optimizer, "averaged_gradients"):
-        # Another wrapper (e.g. BF16_Optimizer): DeepSpeed's gradient API (communicates).
-        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
-
-        for param in engine.module.parameters():
-            grad = safe_get_full_grad(param) if param.requires_grad else None
-            if grad is not None:
-                safe_set_full_grad(param, grad * factor)
-        return
-    if not stage3:
-        # Stage 1/2 hold the step's reduced gradient partitions in ``averaged_gradients``, which
-        # step() flattens: scaling them in place needs no communication (DeepSpeed's
-        # safe_set_full_grad would all-reduce every parameter's whole gradient).
-        grads = [
-            g for part in optimizer.averaged_gradients.values() for g in part or () if g is not None
-        ]
-        torch._foreach_mul_(grads, factor)
-        return
-    for param in engine.module.parameters():
-        if param.requires_grad:  # each rank rescales its own partition: no communication
-            grad = safe_get_local_grad(param)
-            if grad is not None:
-                safe_set_local_grad(param, grad * factor)
+    # Stage 1/2 hold the step's reduced gradient partitions in ``averaged_gradients``, which
+    # step() flattens (DeepSpeed's safe_set_full_grad would all-reduce every whole gradient).
+    assert hasattr(optimizer, "averaged_gradients"), f"cannot rescale {type(optimizer).__name__}"
+    parts = optimizer.averaged_gradients.values()
+    torch._foreach_mul_([g for part in parts for g in part or () if g is not None], factor)
 
 
 def held_state_bytes(engine: Any) -> StateBytes:
@@ -278,8 +262,3 @@ def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
     return {name: tensor.contiguous() for name, tensor in state.items()}
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DeepSpeed engine."""
-    return getattr(model, "module", model)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rapidformer.models.layers import TPStyle, TransformerBlock, check_config_shape, init_weights
+from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape, init_weights
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(TransformerShape):
     """Shape of a BERT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
     applies to the embeddings, the attention probabilities and both residual branches."""
 
@@ -32,18 +32,6 @@ class BertConfig:
     ffn_hidden_size: int | None = None
     dropout: float = 0.1
     layernorm_epsilon: float = 1e-12
-
-    def __post_init__(self) -> None:
-        check_config_shape(
-            self.hidden_size, self.num_attention_heads, self.num_layers, self.dropout
-        )
-
-    @property
-    def ffn_size(self) -> int:
-        """The FFN's hidden width: ``ffn_hidden_size``, or ``4 * hidden_size`` when that is None.
-        (The field keeps None, so ``dataclasses.replace(config, hidden_size=...)`` rescales
-        it.)"""
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
 
 class BertModel(nn.Module):

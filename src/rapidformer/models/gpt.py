@@ -16,14 +16,14 @@ from torch import nn
 from rapidformer.models.layers import (
     TPStyle,
     TransformerBlock,
-    check_config_shape,
+    TransformerShape,
     gpt2_residual_std,
     init_weights,
 )
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(TransformerShape):
     """Shape of a GPT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
     applies to the embeddings, the attention probabilities and both residual branches."""
 
@@ -36,18 +36,6 @@ class GPTConfig:
     dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
-
-    def __post_init__(self) -> None:
-        check_config_shape(
-            self.hidden_size, self.num_attention_heads, self.num_layers, self.dropout
-        )
-
-    @property
-    def ffn_size(self) -> int:
-        """The FFN's hidden width: ``ffn_hidden_size``, or ``4 * hidden_size`` when that is None.
-        (The field keeps None, so ``dataclasses.replace(config, hidden_size=...)`` rescales
-        it.)"""
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
 
 class GPTModel(nn.Module):

@@ -177,11 +177,31 @@ def gpt2_residual_std(num_layers: int, std: float = INIT_STD) -> float:
     return std / math.sqrt(2 * num_layers)
 
 
-def check_config_shape(hidden: int, heads: int, layers: int, dropout: float) -> None:
-    """Reject shapes no model can be built with (shared by the model configs)."""
-    if hidden <= 0 or heads <= 0 or layers <= 0:
-        raise ValueError("hidden_size, num_attention_heads and num_layers must be positive")
-    if hidden % heads:
-        raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+class TransformerShape:
+    """The shape checks and the FFN width the model configs share (a mixin for their frozen
+    dataclasses, which declare these fields)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_layers: int
+    ffn_hidden_size: int | None
+    dropout: float
+
+    def __post_init__(self) -> None:
+        """Reject shapes no model can be built with."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        if hidden <= 0 or heads <= 0 or self.num_layers <= 0:
+            raise ValueError("hidden_size, num_attention_heads and num_layers must be positive")
+        if hidden % heads:
+            raise ValueError(
+                f"hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def ffn_size(self) -> int:
+        """The FFN's hidden width: ``ffn_hidden_size``, or ``4 * hidden_size`` when that is None.
+        (The field keeps None, so ``dataclasses.replace(config, hidden_size=...)`` rescales
+        it.)"""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
