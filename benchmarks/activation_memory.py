@@ -32,12 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rapidformer import DataBundle, Trainer
-from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, lm_tokens, pad_collate
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO_BATCH = 64, 256, 8, 4, 256, 32
 MMAP_THRESHOLD = "131072"
@@ -87,11 +88,14 @@ class MemoryTrainer(Trainer):
         self.setup_done = time.perf_counter()
         return scheduler
 
-    def train_step(self, batch: Any) -> dict[str, Any]:
+    def train_step(self, batch: Any) -> torch.Tensor:
         assert self.model is not None
         output = lm_loss(self.model, batch)
         self.losses.append(output["loss"].item())
-        return output
+        return output["loss"]
+
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        return lm_tokens(batch)  # the loss is a mean over the real tokens
 
 
 def child(checkpoint: bool, steps: int) -> None:

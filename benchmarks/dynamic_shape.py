@@ -24,7 +24,7 @@ from common import stamp, write_results
 from torch import nn
 
 from rapidformer import DataBundle, Trainer
-from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, lm_tokens, pad_collate
 
 SEQ, HIDDEN, LAYERS, MICRO_BATCH, SAMPLES = 256, 128, 2, 16, 4096
 
@@ -59,12 +59,15 @@ class ShapeTrainer(Trainer):
 
         return DataBundle(train=self.corpus, collate_fn=collate)
 
-    def train_step(self, batch: Any) -> dict[str, Any]:
+    def train_step(self, batch: Any) -> torch.Tensor:
         assert self.model is not None
         output = lm_loss(self.model, batch)
         self.padded_tokens += batch["input_ids"].numel()
         self.real_tokens += int(output["num_tokens"])
-        return output
+        return output["loss"]
+
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        return lm_tokens(batch)  # the loss is a mean over the real tokens
 
 
 def run(corpus: SkewedCorpus, iterator: str, steps: int) -> dict[str, Any]:

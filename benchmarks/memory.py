@@ -29,7 +29,7 @@ import torch
 from common import argument_parser, stamp, write_results
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.accel.deepspeed import held_state_bytes
+from rapidformer.accel.deepspeed_state import held_state_bytes
 from rapidformer.memory import StateBytes, measured_bytes
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.testing import run_distributed
@@ -51,10 +51,10 @@ def formula(stage: int, n: int) -> float:
     return {0: 16.0, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
 
 
-def _held(state: Any) -> StateBytes:
+def _held(state: Any, backend: str) -> StateBytes:
     """Bytes this rank holds now: DeepSpeed's partitions, or the native tensors."""
-    if state.deepspeed is not None:
-        return held_state_bytes(state.deepspeed)
+    if backend == "deepspeed":
+        return held_state_bytes(state.model)
     return measured_bytes(state.model, state.optimizer)
 
 
@@ -77,15 +77,15 @@ def _worker(flag: str | None, backend: str, shape: dict[str, int], steps: int, o
         if step == 0:
             # DeepSpeed ZeRO-3 gathers blocks inside its hooks, out of sight here: its row
             # shows the partitions it keeps.
-            held["parameters_in_forward"] = _held(state).parameters
+            held["parameters_in_forward"] = _held(state, backend).parameters
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         engine.backward(loss)
         if step == 0:
-            held["gradients"] = _held(state).gradients
+            held["gradients"] = _held(state, backend).gradients
         engine.step()
         times.append(time.perf_counter() - start)
         if step == 0:
-            after = _held(state)
+            after = _held(state, backend)
             held.update(parameters=after.parameters, optimizer=after.optimizer)
     numel = sum(getattr(p, "ds_numel", p.numel()) for p in state.unwrapped_model.parameters())
     record = {"held": held, "step_s": statistics.median(times[1:]), "numel": numel}

@@ -26,7 +26,7 @@ from common import argument_parser, stamp, write_results
 from torch import nn
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.accel.onnxruntime import apply_onnxruntime, ort_version
+from rapidformer.accel.onnxruntime import OrtTrainStep, ort_version
 from rapidformer.models.gpt import GPTConfig, GPTModel
 
 HIDDEN, LAYERS, HEADS, BATCH, SEQ, VOCAB = 128, 4, 4, 16, 128, 1000
@@ -103,19 +103,13 @@ def compose(name: str, hidden: int, ort: bool) -> tuple[RapidformerEngine, Step]
     state = engine.compose(model)
     step = make_step(state.model)
     if ort:
-        step = apply_onnxruntime(_Owner(state.model, step), state, seed=0, log_plan=False)
+        ort_step = OrtTrainStep(step, state.unwrapped_model, seed=0)
+        # The fused optimizer updates the parameters in place without bumping their version
+        # counters: ORT copies them in again before the next step's forward.
+        assert state.optimizer is not None
+        state.optimizer.register_step_post_hook(lambda *_: ort_step.parameters_changed())
+        step = ort_step
     return engine, step
-
-
-class _Owner:
-    """What apply_onnxruntime expects of a Trainer: ``model`` and ``train_step``."""
-
-    def __init__(self, model: nn.Module, step: Step) -> None:
-        self.model: nn.Module | None = model
-        self.step = step
-
-    def train_step(self, batch: Any) -> Any:
-        return self.step(batch)
 
 
 def train_steps(
@@ -124,9 +118,7 @@ def train_steps(
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        output = step(batch)
-        loss = output["loss"] if isinstance(output, dict) else output
-        engine.backward(loss)
+        engine.backward(step(batch))
         result = engine.step()
         assert result is not None
         times.append(time.perf_counter() - start)

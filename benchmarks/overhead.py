@@ -45,7 +45,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from rapidformer import DataBundle, Trainer
-from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, lm_tokens, pad_collate
 
 # A small model on purpose: the Trainer's cost is a fixed amount of Python per step, so the
 # cheaper the step, the larger its share. ~20 ms per step on two cores.
@@ -139,11 +139,14 @@ class BenchTrainer(Trainer):
         self.setup_done = time.perf_counter()
         return scheduler
 
-    def train_step(self, batch: Any) -> dict[str, Any]:
+    def train_step(self, batch: Any) -> torch.Tensor:
         assert self.model is not None
         output = lm_loss(self.model, batch)
         self.tally.record(batch, output["loss"])
-        return output
+        return output["loss"]
+
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        return lm_tokens(batch)  # the loss is a mean over the real tokens
 
 
 def trainer_argv(steps: int) -> list[str]:

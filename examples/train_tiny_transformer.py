@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 examples/train_tiny_transformer.py --global-batch-size 32
     rapidformer --user-script examples/train_tiny_transformer.py --train-iters 50 --lr 1e-3
 
-The three hooks below are all a user writes; every acceleration comes from flags.
+The hooks below are all a user writes; every acceleration comes from flags.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 from rapidformer import DataBundle, Trainer
-from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, lm_tokens, pad_collate
 
 DEFAULTS = [
     "--train-iters",
@@ -70,9 +71,14 @@ class DemoTrainer(Trainer):
             collate_fn=pad_collate,
         )
 
-    def train_step(self, batch: Any) -> dict[str, Any]:
+    def train_step(self, batch: Any) -> torch.Tensor:
         assert self.model is not None
-        return lm_loss(self.model, batch)  # mean loss over real tokens, plus their count
+        return lm_loss(self.model, batch)["loss"]  # the mean loss over the real tokens
+
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        # The loss averages over the real (unpadded) tokens: counting them before the forward
+        # lets gradient accumulation weight every micro-batch exactly.
+        return lm_tokens(batch)
 
 
 if __name__ == "__main__":

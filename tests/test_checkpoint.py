@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rapidformer.accel.eager import EagerForwardBackward
+from rapidformer.accel.stepper import TorchStepper
 from rapidformer.checkpoint import LATEST, find_checkpoint, save_checkpoint
-from rapidformer.engine.state import TrainState
+from rapidformer.distributed import ParallelDims, ParallelMesh
 from rapidformer.errors import CheckpointError
+from rapidformer.state import TrainState
 
 
 def _state() -> TrainState:
@@ -18,7 +21,13 @@ def _state() -> TrainState:
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     return TrainState(
-        model=model, unwrapped_model=model, device=torch.device("cpu"), optimizer=optimizer
+        model=model,
+        unwrapped_model=model,
+        device=torch.device("cpu"),
+        mesh=ParallelMesh(ParallelDims(world_size=1)),
+        forward_backward=EagerForwardBackward(),
+        stepper=TorchStepper(clip_grad=1.0),
+        optimizer=optimizer,
     )
 
 

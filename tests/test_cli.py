@@ -42,7 +42,7 @@ def test_user_script_trains_from_the_command_line(tmp_path: Path) -> None:
         env=ENV,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "rapidformer plan on cpu, world size 1" in run.stderr
+    assert "rapidformer plan on cpu, dp 1 x tp 1 x pp 1 (ep 1), 1 ranks" in run.stderr
     losses = read_losses(tmp_path)
     assert losses[40] < losses[10] - 0.5  # learned the Markov chain's transitions
     final = json.loads(run.stderr.split("final metrics: ")[1].splitlines()[0])

@@ -16,7 +16,7 @@ import torch
 from rapidformer import parse_args
 from rapidformer.checkpoint import consolidated_model_state
 from rapidformer.export import export_checkpoint
-from rapidformer.templates.pretrainer import Pretrainer
+from rapidformer.templates.pretrainer import Pretrainer, build_pretraining_model
 from rapidformer.testing import run_distributed
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
 from tests.conftest import read_losses, tiny_trainer
@@ -99,7 +99,8 @@ def test_black_box_zero3_pretraining_exports_to_hugging_face_without_processes(
 
     export_checkpoint(tmp_path / "run", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    model = Pretrainer(parse_args([*flags, "--train-iters", "1"])).build_model().eval()
+    pretrainer = Pretrainer(parse_args([*flags, "--train-iters", "1"]))
+    model = build_pretraining_model(pretrainer.config, pretrainer.tokenizer.vocab_size).eval()
     model.load_state_dict(consolidated_model_state(tmp_path / "run" / "iter_0000003"))
     ids = torch.randint(0, 200, (1, 16))
     with torch.no_grad():

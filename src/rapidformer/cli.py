@@ -18,7 +18,7 @@ from pathlib import Path
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.schema import RapidformerConfig
-from rapidformer.config.validate import validate
+from rapidformer.engine.validation import validate
 from rapidformer.errors import ConfigError, RapidformerError, Violation
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.templates.trainer import Trainer

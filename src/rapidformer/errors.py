@@ -53,3 +53,8 @@ class DataError(RapidformerError, ValueError):
 
 class CheckpointError(RapidformerError, RuntimeError):
     """A checkpoint cannot be written or read; the message names the directory."""
+
+
+class HookError(RapidformerError, TypeError):
+    """A template subclass's hooks are missing, or one returned what rapidformer cannot use;
+    the message names the hook and what to change."""

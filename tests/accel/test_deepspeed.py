@@ -1,7 +1,8 @@
 """ZeRO through the DeepSpeed engine (--zero-backend deepspeed) on 2 gloo ranks: stages 1, 2, 3
 and ZeRO-Offload match the single-process fp32 run of the native engine, with the same uneven,
-token-weighted micro-batches as the native sharding tests (so the boundary rescale is
-exercised), and each rank holds the share of model state its stage promises."""
+token-weighted micro-batches as the native sharding tests (counted before the forwards, so
+nothing inside DeepSpeed is rescaled), and each rank holds the share of model state its stage
+promises."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _held_bytes(flag: str, out: str) -> None:
     import torch
 
     from rapidformer import RapidformerConfig, RapidformerEngine
-    from rapidformer.accel.deepspeed import held_state_bytes
+    from rapidformer.accel.deepspeed_state import held_state_bytes
     from tests.accel.test_sharding import _model
 
     torch.set_num_threads(1)
@@ -75,9 +76,9 @@ def _held_bytes(flag: str, out: str) -> None:
     state = engine.compose(_model())
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(engine.env.rank))
     engine.backward(state.model(ids).float().pow(2).mean())
-    gradients = held_state_bytes(state.deepspeed).gradients
+    gradients = held_state_bytes(state.model).gradients
     engine.step()
-    after = held_state_bytes(state.deepspeed)
+    after = held_state_bytes(state.model)
     full = sum(p.numel() * 4 for p in _model().parameters())
     record = [after.parameters, gradients, after.optimizer, full]
     (Path(out) / f"rank_{engine.env.rank}.json").write_text(json.dumps(record))

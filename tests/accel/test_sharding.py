@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.memory import expected_bytes, measured_bytes
+from rapidformer.memory import measured_bytes
+from rapidformer.state import StepFunctions, StepOutcome, TrainState
 from rapidformer.testing import (
     MarkovLMDataset,
     TinyTransformerLM,
     lm_loss,
+    lm_tokens,
     pad_collate,
     run_distributed,
 )
@@ -55,9 +57,32 @@ class _HFCausalLM(torch.nn.Module):
         return self.gpt2(input_ids=input_ids).logits
 
 
+class _Measuring:
+    """Wraps the run's stepper: this rank's held bytes just before the first step (whole
+    gradients or their shards) and just after it (optimizer state now exists)."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.inner = state.stepper
+        self.name = self.inner.name
+        self.held: dict[str, int] = {}
+
+    def step(self, state: TrainState) -> StepOutcome:
+        first = "gradients" not in self.held
+        if first:
+            self.held["gradients"] = measured_bytes(state.model, None).gradients
+        outcome = self.inner.step(state)
+        if first:
+            after = measured_bytes(state.model, state.optimizer)
+            self.held.update(parameters=after.parameters, optimizer=after.optimizer)
+        return outcome
+
+    def expected_bytes(self, state: TrainState) -> Any:
+        return self.inner.expected_bytes(state)
+
+
 def _train(flag: str | None, out: str, micro: int = 2, **extra: Any) -> None:
-    """10 AdamW steps of a global batch of 8 (uneven lengths, token-weighted, clipped); this
-    rank's losses and held bytes go to ``out``/rank_R.json."""
+    """10 AdamW steps of a global batch of 8 (uneven lengths, token-weighted, clipped) through
+    ``run_step``; this rank's losses and held bytes go to ``out``/rank_R.json."""
     torch.set_num_threads(1)
     options: dict[str, Any] = {
         "micro_batch_size": micro,
@@ -76,26 +101,26 @@ def _train(flag: str | None, out: str, micro: int = 2, **extra: Any) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3) if user_optimizer else None
     state = engine.compose(model, optimizer=optimizer)
     rank, dp = engine.env.rank, engine.dims.dp
-    expected, ddp = expected_bytes(state.model, state.optimizer)  # the report compose() logs
+    expected, ddp = state.stepper.expected_bytes(state)  # the report compose() logs
+    measuring = _Measuring(state)
+    state.stepper = measuring
     dataset = MarkovLMDataset(STEPS * GLOBAL, vocab_size=64, min_length=4, max_length=40, seed=3)
     per_rank = GLOBAL // dp
+    in_forward: list[int] = []
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = lm_loss(state.model, batch)["loss"]
+        if not in_forward:  # the first forward: what this rank holds between it and backward
+            in_forward.append(measured_bytes(state.model, None).parameters)
+        return loss
+
+    step = StepFunctions(train_step=loss_of, weight=lm_tokens)
     losses: list[float] = []
-    held: dict[str, int] = {}
-    for step in range(STEPS):
-        mine = [dataset[step * GLOBAL + rank * per_rank + i] for i in range(per_rank)]
-        for start in range(0, per_rank, micro):
-            loss = lm_loss(state.model, pad_collate(mine[start : start + micro]))
-            if step == 0 and start == 0:
-                held["parameters_in_forward"] = measured_bytes(state.model, None).parameters
-            engine.backward(loss["loss"], weight=loss["num_tokens"])
-        if step == 0:
-            held["gradients"] = measured_bytes(state.model, None).gradients
-        result = engine.step()
-        assert result is not None
-        losses.append(result.loss)
-        if step == 0:
-            after = measured_bytes(state.model, state.optimizer)
-            held.update(parameters=after.parameters, optimizer=after.optimizer)
+    for index in range(STEPS):
+        mine = [dataset[index * GLOBAL + rank * per_rank + i] for i in range(per_rank)]
+        batches = [pad_collate(mine[i : i + micro]) for i in range(0, per_rank, micro)]
+        losses.append(engine.run_step(batches, step).loss)
+    held = {**measuring.held, "parameters_in_forward": in_forward[0]}
     record = {
         "losses": losses,
         "held": held,

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from rapidformer import RapidformerConfig
-from rapidformer.config.validate import NOT_AVAILABLE, validate
+from rapidformer.config.validate import NOT_AVAILABLE
+from rapidformer.engine import validate
 from rapidformer.errors import ConfigError
 
 VALID = {"train_iters": 10, "lr": 1e-3}
@@ -32,7 +33,7 @@ def test_a_valid_config_passes_and_gives_the_parallel_degrees() -> None:
     config = RapidformerConfig.from_dict({**VALID, "micro_batch_size": 2, "global_batch_size": 16})
     dims = validate(config, world_size=4)
     assert (dims.dp, dims.tp, dims.pp) == (4, 1, 1)
-    assert dims.accumulation_steps(config) == 2
+    assert dims.accumulation_steps(2, 16) == 2
 
 
 def test_global_batch_must_be_a_multiple_of_micro_times_dp() -> None:

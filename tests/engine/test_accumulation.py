@@ -1,18 +1,23 @@
 """Gradient accumulation gives the gradients of one big batch, also with uneven padding and
-across data-parallel ranks."""
+across data-parallel ranks: counted before the forwards (``run_step``, no gradient rescaled
+afterwards) for eager, DDP, FSDP2 and DeepSpeed, and in hand-written loops that learn the
+weights after each forward (``backward(loss, weight=...)``)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.state import StepFunctions, StepOutcome, TrainState
 from rapidformer.testing import (
     MarkovLMDataset,
     TinyTransformerLM,
@@ -20,6 +25,7 @@ from rapidformer.testing import (
     pad_collate,
     run_distributed,
 )
+from rapidformer.testing.tiny import IGNORE_INDEX
 from tests.conftest import read_losses, tiny_trainer
 
 TOLERANCE = 1e-6  # fp32, max abs difference of any gradient element
@@ -36,10 +42,151 @@ def _samples(count: int = 8) -> list[dict[str, torch.Tensor]]:
     return [dataset[i] for i in range(count)]
 
 
-allreduce_micro_steps: list[int] = []
+def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (batch["labels"] != IGNORE_INDEX).sum()
 
 
-def _accumulated_grads(
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+class _Recording:
+    """Wraps the run's stepper: copies every whole gradient (gathered where it is sharded)
+    just before the update, when the step's reductions are done."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.inner = state.stepper
+        self.name = self.inner.name
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def step(self, state: TrainState) -> StepOutcome:
+        self.grads = {n: _full_grad(p) for n, p in state.unwrapped_model.named_parameters()}
+        return self.inner.step(state)
+
+    def expected_bytes(self, state: TrainState) -> Any:
+        return self.inner.expected_bytes(state)
+
+
+def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # DeepSpeed partitions
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(param).detach().clone().float()
+    assert param.grad is not None
+    grad = param.grad
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+
+
+def _counted_grads(micro: int, samples: list[dict[str, torch.Tensor]], **options: Any) -> dict:
+    """One optimizer step over ``samples`` (this rank's share) in micro-batches of ``micro``,
+    weighted by tokens counted before the forwards; the gradients the update used."""
+    dp = int(os.environ.get("WORLD_SIZE", "1"))
+    config = RapidformerConfig.from_dict(
+        {"micro_batch_size": micro, "global_batch_size": len(samples) * dp, "clip_grad": 0.0}
+        | options
+    )
+    engine = RapidformerEngine(config)
+    model = _model()
+    state = engine.compose(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    assert engine.accumulation_steps == len(samples) // micro
+    forwards: list[int] = []
+    all_reduced_after: list[int] = []
+    if isinstance(state.model, DistributedDataParallel):
+        # Record after how many forwards each gradient bucket is all-reduced. No annotations:
+        # DDP compares them with GradBucket, and this module's are strings.
+        def counting_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
+            all_reduced_after.append(len(forwards))
+            return allreduce_hook(process_group, bucket)
+
+        state.model.register_comm_hook(None, counting_allreduce)
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        forwards.append(1)
+        return lm_loss(state.model, batch)["loss"]
+
+    recording = _Recording(state)
+    state.stepper = recording
+    batches = [pad_collate(samples[i : i + micro]) for i in range(0, len(samples), micro)]
+    engine.run_step(batches, StepFunctions(train_step=loss_of, weight=_tokens))
+    if dp == 1:
+        engine.close()  # several runs share one process group in the distributed tests
+    return {"grads": recording.grads, "all_reduced_after": all_reduced_after}
+
+
+def test_micro_2_times_4_equals_micro_8_with_uneven_padding() -> None:
+    samples = _samples()
+    big = _counted_grads(8, samples)["grads"]
+    accumulated = _counted_grads(2, samples)["grads"]
+    assert _max_diff(big, accumulated) <= TOLERANCE
+    # The naive mean of per-micro-batch means would be wrong here: make sure the test can tell.
+    naive = _late_grads(2, samples, token_weighted=False)
+    assert _max_diff(big, naive) > 100 * TOLERANCE
+
+
+NATIVE = {
+    "ddp": {},
+    "zero1": {"zero_1_memory_optimization": True},
+    "zero2": {"zero_2_memory_optimization": True},
+    "zero3": {"zero_3_memory_optimization": True},
+}
+DEEPSPEED = {
+    f"deepspeed-zero{stage}": {
+        f"zero_{stage}_memory_optimization": True,
+        "zero_backend": "deepspeed",
+    }
+    for stage in (1, 2, 3)
+}
+
+
+def _rank_counted_grads(out_dir: str, configs: dict[str, dict[str, Any]]) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    mine = _samples(16)[rank::2]  # the two ranks together hold the same 16 samples
+    for name, options in configs.items():
+        runs = {micro: _counted_grads(micro, mine, **options) for micro in (2, 8)}
+        torch.save(
+            {
+                "accumulated": runs[2]["grads"],
+                "whole": runs[8]["grads"],
+                "all_reduced_after": runs[2]["all_reduced_after"],
+            },
+            Path(out_dir) / f"{name}_{rank}.pt",
+        )
+
+
+def _check_two_ranks(tmp_path: Path, configs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    run_distributed(_rank_counted_grads, 2, str(tmp_path), configs)
+    reference = _counted_grads(16, _samples(16))["grads"]  # one process, one batch
+    worst = {}
+    for name in configs:
+        for rank in range(2):
+            run = torch.load(tmp_path / f"{name}_{rank}.pt")
+            worst[name] = max(
+                _max_diff(reference, run["accumulated"]), _max_diff(reference, run["whole"])
+            )
+            assert worst[name] <= TOLERANCE, (name, rank, worst[name])
+            if name == "ddp":
+                # Accumulation 4: gradients cross ranks once (one bucket), after the 4th forward.
+                assert run["all_reduced_after"] == [4]
+    return worst
+
+
+@pytest.mark.distributed
+def test_two_rank_counted_accumulation_equals_one_big_batch_native(tmp_path: Path) -> None:
+    worst = _check_two_ranks(tmp_path, NATIVE)
+    (tmp_path / "worst.json").write_text(json.dumps(worst))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_rank_counted_accumulation_equals_one_big_batch_deepspeed(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    _check_two_ranks(tmp_path, DEEPSPEED)
+
+
+# ---- hand-written loops: backward(loss, weight) after each forward -----------------------
+def _late_grads(
     micro: int, samples: list[dict[str, torch.Tensor]], *, token_weighted: bool = True, dp: int = 1
 ) -> dict[str, torch.Tensor]:
     config = RapidformerConfig.from_dict(
@@ -47,15 +194,6 @@ def _accumulated_grads(
     )
     engine = RapidformerEngine(config)
     state = engine.compose(_model(), optimizer=torch.optim.SGD(_model().parameters(), lr=0.0))
-    assert engine.accumulation_steps == len(samples) // micro
-    if isinstance(state.model, DistributedDataParallel):
-        # Record in which micro-step each gradient bucket is all-reduced.
-        # No annotations: DDP compares them with GradBucket, and this module's are strings.
-        def counting_allreduce(process_group, bucket):  # type: ignore[no-untyped-def]
-            allreduce_micro_steps.append(engine._micro_steps)  # the micro-step in backward now
-            return allreduce_hook(process_group, bucket)
-
-        state.model.register_comm_hook(None, counting_allreduce)
     for start in range(0, len(samples), micro):
         out = lm_loss(state.model, pad_collate(samples[start : start + micro]))
         engine.backward(out["loss"], weight=out["num_tokens"] if token_weighted else None)
@@ -64,18 +202,9 @@ def _accumulated_grads(
     return grads
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[name] - b[name]).abs().max().item() for name in a)
-
-
-def test_micro_2_times_4_equals_micro_8_with_uneven_padding() -> None:
+def test_hand_loop_weights_after_each_forward_equal_one_big_batch() -> None:
     samples = _samples()
-    big = _accumulated_grads(8, samples)
-    accumulated = _accumulated_grads(2, samples)
-    assert _max_diff(big, accumulated) <= TOLERANCE
-    # The naive mean of per-micro-batch means would be wrong here: make sure the test can tell.
-    naive = _accumulated_grads(2, samples, token_weighted=False)
-    assert _max_diff(big, naive) > 100 * TOLERANCE
+    assert _max_diff(_late_grads(8, samples), _late_grads(2, samples)) <= TOLERANCE
 
 
 def test_equal_weights_without_token_counts_match_for_equal_lengths() -> None:
@@ -83,30 +212,27 @@ def test_equal_weights_without_token_counts_match_for_equal_lengths() -> None:
     samples = [dataset[i] for i in range(8)]
     assert (
         _max_diff(
-            _accumulated_grads(8, samples, token_weighted=False),
-            _accumulated_grads(2, samples, token_weighted=False),
+            _late_grads(8, samples, token_weighted=False),
+            _late_grads(2, samples, token_weighted=False),
         )
         <= TOLERANCE
     )
 
 
-def _rank_grads(out_dir: str) -> None:
+def _rank_late_grads(out_dir: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     # Rank r takes every other sample: the two ranks together hold the same 8 samples.
-    grads = _accumulated_grads(2, _samples()[rank::2], dp=2)
-    torch.save((grads, allreduce_micro_steps), Path(out_dir) / f"grads_{rank}.pt")
+    grads = _late_grads(2, _samples()[rank::2], dp=2)
+    torch.save(grads, Path(out_dir) / f"grads_{rank}.pt")
 
 
 @pytest.mark.distributed
-def test_two_ranks_with_accumulation_equal_one_big_batch(tmp_path: Path) -> None:
-    run_distributed(_rank_grads, 2, str(tmp_path))
-    big = _accumulated_grads(8, _samples())
+def test_two_rank_hand_loop_with_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
+    run_distributed(_rank_late_grads, 2, str(tmp_path))
+    big = _late_grads(8, _samples())
     for rank in range(2):
-        grads, allreduce_micro_steps = torch.load(tmp_path / f"grads_{rank}.pt")
-        assert _max_diff(big, grads) <= TOLERANCE
-        # Accumulation 2: gradients cross ranks once (one bucket), in the second micro-step.
-        assert allreduce_micro_steps == [2]
+        assert _max_diff(big, torch.load(tmp_path / f"grads_{rank}.pt")) <= TOLERANCE
 
 
 def test_trainer_losses_with_accumulation_match_one_big_batch(tmp_path: Path) -> None:
@@ -129,3 +255,4 @@ def test_trainer_losses_with_accumulation_match_one_big_batch(tmp_path: Path) ->
     assert max(abs(runs[8][s] - runs[2][s]) for s in runs[8]) <= 1e-5
     progress = json.loads((tmp_path / "micro2" / "iter_0000004" / "progress.json").read_text())
     assert progress["consumed"] == 16  # 4 steps x 4 micro-batches
+    assert progress["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "ep": 1}

@@ -50,7 +50,7 @@ def test_build_on_meta_materialises_deterministically() -> None:
         state["blocks.0.attention.q_proj.weight"], other["blocks.0.attention.q_proj.weight"]
     )
 
-    block = model.blocks[0]
+    block = model.blocks["0"]
     assert isinstance(block, TransformerBlock)
     assert torch.equal(block.attention_norm.weight, torch.ones(32))
     assert torch.equal(block.attention.q_proj.bias, torch.zeros(32))
@@ -65,7 +65,7 @@ def test_build_on_meta_materialises_deterministically() -> None:
 def test_blocks_are_found_and_have_an_ffn() -> None:
     model = GPTModel.build(tiny(num_layers=3))
     blocks = find_blocks(model)
-    assert blocks == list(model.blocks) and len(blocks) == 3
+    assert blocks == list(model.blocks.values()) and len(blocks) == 3
     for block in blocks:
         assert isinstance(block, TransformerBlock)
         assert isinstance(block.ffn.fc1, nn.Linear) and isinstance(block.ffn.fc2, nn.Linear)

@@ -93,8 +93,9 @@ def test_qa_windows_overlap_and_map_answers_back_to_characters(bert: Any) -> Non
         def forward(self, **_: torch.Tensor) -> Any:
             return type("Out", (), {"start_logits": start_logits, "end_logits": end_logits})
 
-    output = task.step(Model(), batch, evaluate=True)
-    assert task.metrics([output], features) == {"exact_match": 100.0, "f1": 100.0}
+    outputs = Model()(**task.inputs(batch))
+    output = task.statistics(outputs, batch, task.loss(outputs, batch))
+    assert task.metrics([output], features, None, None) == {"exact_match": 100.0, "f1": 100.0}
 
 
 def test_masked_lm_masks_a_sixth_of_the_tokens_and_fixes_validation_masks(bert: Any) -> None:
@@ -122,8 +123,8 @@ def test_bucket_padding_gives_the_same_classification_loss(bert: Any, tmp_path: 
     task = SequenceClassification(bert, seq_length=64)
     features = task.prepare(_rows(records), "train")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2).eval()
-    full = task.step(model, task.collate(features.rows))["loss"]
-    bucket = task.step(model, task.collate(features.rows, pad_to=24))["loss"]
+    batches = [task.collate(features.rows), task.collate(features.rows, pad_to=24)]
+    full, bucket = (task.loss(model(**task.inputs(b)), b) for b in batches)
     assert task.collate(features.rows, pad_to=24)["input_ids"].shape == (8, 24)
     assert abs(full.item() - bucket.item()) <= 1e-5
 
@@ -171,7 +172,12 @@ def test_metrics_of_a_rank_without_batches_are_zeros_and_unknown_tags_name_their
     # A rank whose share of a tiny validation split is empty still joins the all-reduce.
     task = TokenClassification(bert, seq_length=16)
     task.prepare(_rows([{"tokens": ["a", "b"], "tags": ["B-X", "O"]}]), "train")
-    assert task.metrics([], None) == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "accuracy": 0.0}
+    assert task.metrics([], None, None, None) == {
+        "precision": 0.0,
+        "recall": 0.0,
+        "f1": 0.0,
+        "accuracy": 0.0,
+    }
     valid = _rows([{"tokens": ["a"], "tags": ["O"]}, {"tokens": ["b", "c"], "tags": ["O", "B-Y"]}])
     with pytest.raises(DataError, match=r"label 'B-Y' \(row 1\).*known labels: B-X, O"):
         task.prepare(valid, "validation")

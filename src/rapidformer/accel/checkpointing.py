@@ -22,22 +22,25 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rapidformer.config.schema import RapidformerConfig
-from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
+from rapidformer.state import PlanStep, TrainState
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: children of every ``nn.ModuleList`` whose members all
-    share one class (outermost lists only)."""
+    """The repeated transformer blocks: children of every ``nn.ModuleList`` or ``nn.ModuleDict``
+    (the built-in models keep a dict, so that a pipeline stage holding some layers keeps their
+    names) whose members all share one class (outermost containers only)."""
     blocks: list[nn.Module] = []
     taken: set[str] = set()
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in taken):
             continue
-        is_list = isinstance(module, nn.ModuleList) and len(module) > 0
-        if is_list and len({type(child) for child in module}) == 1:
-            blocks.extend(module)
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or len(module) == 0:
+            continue
+        children = list(module.children())
+        if len({type(child) for child in children}) == 1:
+            blocks.extend(children)
             taken.add(name)
     return blocks
 
@@ -51,7 +54,7 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def apply_activation_checkpointing(
-    state: TrainState, config: RapidformerConfig, dims: ParallelDims
+    state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
 ) -> TrainState:
     if not config.memory.checkpoint_activations:
         return state
@@ -78,7 +81,8 @@ def apply_activation_checkpointing(
             "--checkpoint-activations",
             True,
             f"found no transformer blocks in {type(model).__name__} to checkpoint",
-            "keep the blocks in an nn.ModuleList (e.g. model.blocks) or drop the flag",
+            "keep the blocks in an nn.ModuleList or nn.ModuleDict (e.g. model.blocks), or drop "
+            "the flag",
         )
     for block in blocks:
         block.forward = _checkpointed(block.forward)

@@ -23,21 +23,23 @@ blocks). ``nn.Module.compile`` compiles in place: state_dict keys do not change.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
 from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import RunContext
 from rapidformer.data.dynamic_shape import bucket_lengths
-from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
-from rapidformer.errors import ConfigError
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import ConfigError, Violation
+from rapidformer.state import PlanStep, TrainState
 
 SPARE_COMPILES = 8
 """Compiles allowed beyond one per bucket (short last batches, train and eval modes)."""
 
 
-def apply_compile(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+def apply_compile(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     graph = config.graph
     if not graph.torch_compile:
         return state
@@ -72,3 +74,22 @@ def apply_compile(state: TrainState, config: RapidformerConfig, dims: ParallelDi
         )
     )
     return state
+
+
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """--torch-compile-mode and --torch-compile-cache-dir only mean something with
+    --torch-compile."""
+    graph = config.graph
+    if graph.torch_compile:
+        return
+    if graph.torch_compile_mode != "default":
+        yield Violation(
+            "--torch-compile-mode", graph.torch_compile_mode, "needs --torch-compile", "add it"
+        )
+    if graph.torch_compile_cache_dir is not None:
+        yield Violation(
+            "--torch-compile-cache-dir",
+            graph.torch_compile_cache_dir,
+            "needs --torch-compile",
+            "add it",
+        )

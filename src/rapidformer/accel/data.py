@@ -25,8 +25,9 @@ from rapidformer.data.dynamic_shape import (
 )
 from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
+from rapidformer.state import PlanStep, TrainState
 
 
 class EvalShardSampler(ResumableDistributedSampler):
@@ -59,7 +60,8 @@ def rebuild_loader(
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
 
 
-def apply_data(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+def apply_data(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    dims = mesh.dims
     train = state.train_dataloader
     shape = "fixed shape (as the collate function pads)"
     if train is not None and not isinstance(train.sampler, ResumableDistributedSampler):
@@ -80,13 +82,14 @@ def apply_data(state: TrainState, config: RapidformerConfig, dims: ParallelDims)
         )
         state.eval_dataloader = rebuild_loader(evaluation, sampler)
     if train is not None:
-        accumulation = dims.accumulation_steps(config)
+        micro, global_ = config.data.micro_batch_size, config.data.global_batch_size
+        accumulation = dims.accumulation_steps(micro, global_)
         state.plan.append(
             PlanStep(
                 "data",
                 "resumable distributed sampler",
-                f"micro batch {config.data.micro_batch_size} x dp {dims.dp} x accumulation "
-                f"{accumulation} = global batch {dims.global_batch_size(config)}; {shape}",
+                f"micro batch {micro} x dp {dims.dp} x accumulation {accumulation} = global "
+                f"batch {dims.global_batch_size(micro, global_)}; {shape}",
             )
         )
     return state

@@ -3,44 +3,45 @@
 The same memory flags as the native backend choose the stage: OSS / ZeRO-1 -> stage 1, SDP /
 ZeRO-2 -> stage 2, FSDP / ZeRO-3 -> stage 3. The DeepSpeed config is generated from our flags
 (micro and global batch, accumulation steps, clipping, precision, offload), so a user never
-writes one. DeepSpeed then owns the model (its engine is ``state.model``), the backward (it
-partitions and reduces gradients in its hooks) and the optimizer step (master weights, clipping
-and the update of its own partitions).
+writes one. DeepSpeed then owns the model (its engine becomes ``state.model``) and fills the
+three slots of the train state:
 
-What stays ours:
+* forward-backward (:class:`DeepSpeedForwardBackward`): its ``backward`` partitions and reduces
+  the gradients in its hooks. Each micro-batch's loss comes scaled by the engine (units x dp /
+  units of the global batch, counted before the forwards), so accumulation is exact with
+  ``scale_wrt_gas=False`` and nothing is rescaled inside DeepSpeed afterwards;
+* stepper (:class:`DeepSpeedStepper`): master weights, clipping (``--clip-grad`` is in its
+  config), the update of its own partitions, fp16 overflow skips;
+* checkpoint format (:class:`~rapidformer.accel.deepspeed_state.DeepSpeedFormat`): each rank
+  writes its partitions through DeepSpeed's save/load.
 
-* the optimizer: the torch optimizer rapidformer built (or the user handed compose()) is given
-  to DeepSpeed, which steps it on its partitions. This also keeps DeepSpeed's JIT-compiled ops
-  (fused/CPU Adam) out of the path (on a CPU, DeepSpeed still builds its shared-memory
-  communication op once per machine).
-* the LR schedule: our scheduler sets the learning rate on that optimizer's groups, which
-  DeepSpeed's partitions share.
-* exact, count-weighted accumulation: each micro-batch's loss is scaled by its count over a
-  rank-common reference; at the step's last micro-batch, when the global count is known, a
-  step whose micro-batches were not all equal has its (already reduced) gradient partitions
-  rescaled in place on each rank (:func:`rescale_gradients`), before DeepSpeed clips and steps.
-
-Checkpoints go through DeepSpeed's save/load (each rank writes its partitions);
-:func:`consolidated_state_dict` rebuilds the whole fp32 model from them in one process.
+What stays ours: the torch optimizer rapidformer built (or the user handed compose()) is what
+DeepSpeed steps on its partitions (no JIT-compiled fused/CPU Adam; on a CPU DeepSpeed still
+builds its shared-memory communication op once per machine), and our LR schedule sets the
+learning rate on that optimizer's groups, which DeepSpeed's partitions share.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from rapidformer.accel.deepspeed_state import DeepSpeedFormat, expected_state_bytes
+from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.sharding import sharding_mode
 from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import RunContext
+from rapidformer.distributed import process_group
 from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
-from rapidformer.memory import StateBytes, held_bytes, state_slots
-
-TAG = "deepspeed"
-"""Sub-directory of a rapidformer checkpoint that holds DeepSpeed's files."""
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import RapidformerError, Violation
+from rapidformer.memory import StateBytes
+from rapidformer.state import PlanStep, StepOutcome, TrainState
 
 _STAGES = {"oss": 1, "sdp": 2, "fsdp": 3}
 # DeepSpeed's default buckets are 500M elements: on a small model that reserves gigabytes of
@@ -58,12 +59,11 @@ def _mode(config: RapidformerConfig) -> tuple[str, str]:
     return mode
 
 
-def deepspeed_config(
-    config: RapidformerConfig, dims: ParallelDims, accumulation_steps: int
-) -> dict[str, Any]:
+def deepspeed_config(config: RapidformerConfig, dims: ParallelDims) -> dict[str, Any]:
     """The DeepSpeed config our flags mean."""
     stage = _STAGES[_mode(config)[0]]
     micro = config.data.micro_batch_size
+    accumulation = dims.accumulation_steps(micro, config.data.global_batch_size)
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": _BUCKET,
@@ -79,8 +79,8 @@ def deepspeed_config(
     clip = config.training.clip_grad
     return {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accumulation_steps,
-        "train_batch_size": micro * accumulation_steps * dims.dp,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * dims.dp,
         "gradient_clipping": clip if clip > 0 else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
@@ -93,17 +93,77 @@ def deepspeed_config(
     }
 
 
-def apply_deepspeed(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+class DeepSpeedForwardBackward(EagerForwardBackward):
+    """DeepSpeed's engine runs every micro-batch's backward (the micro-batch loop is the eager
+    one); see the module docstring."""
+
+    name = "DeepSpeed engine"
+    reduces_gradients = True
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def forward_is_collective(self, state: TrainState) -> bool:
+        # ZeRO-3 gathers each module's parameter partitions in its forward.
+        stage3 = self.engine.zero_optimization_stage() == 3
+        return bool(stage3) and process_group.is_distributed()
+
+    def arm(self, state: TrainState, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+
+    def backward(self, state: TrainState, loss: torch.Tensor) -> None:
+        # The engine already weighted the loss for the whole step: no division by the
+        # accumulation steps on top.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def rescale_gradients(self, state: TrainState, factor: torch.Tensor) -> None:
+        if abs(float(factor) - 1.0) <= 1e-6:
+            return  # every micro-batch weighed what the loss scale assumed: nothing to fix
+        raise RapidformerError(
+            "--zero-backend deepspeed: this step's micro-batches had different weights (or the "
+            "step had fewer micro-batches than the accumulation steps), which engine.backward("
+            "loss, weight=...) only learns after the forwards; DeepSpeed's gradients cannot be "
+            "rescaled afterwards. Drive the step with engine.run_step(batches, StepFunctions("
+            "train_step=..., weight=...)), which counts every micro-batch before its forward"
+        )
+
+
+class DeepSpeedStepper:
+    """DeepSpeed clips, steps and zeroes the gradients; our schedule sets the learning rate."""
+
+    name = "DeepSpeed engine"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def step(self, state: TrainState) -> StepOutcome:
+        assert state.optimizer is not None
+        lr = state.optimizer.param_groups[0]["lr"]
+        self.engine.step()
+        skipped = not self.engine.was_step_applied()  # an fp16 overflow step
+        if state.lr_scheduler is not None and not skipped:
+            state.lr_scheduler.step()
+        norm = self.engine.get_global_grad_norm()
+        return StepOutcome(float(norm) if norm is not None else float("nan"), lr, skipped)
+
+    def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
+        return expected_state_bytes(self.engine)
+
+
+def apply_deepspeed(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     """Hand the model and the optimizer just built to ``deepspeed.initialize``."""
+    if not is_deepspeed(config):
+        return state
     import deepspeed
 
     assert state.optimizer is not None, "the optimizer is built before DeepSpeed takes it"
-    # DeepSpeed reads the launcher's LOCAL_RANK; a one-process run started without torchrun
-    # has none (the group of one was made by the engine).
+    # DeepSpeed insists on a process group, even for one process, and reads the launcher's
+    # LOCAL_RANK, which a one-process run started without torchrun has not set.
+    process_group.ensure_process_group(state.device)
     os.environ.setdefault("LOCAL_RANK", "0")
     # DeepSpeed logs every config key at INFO on every rank; our plan says what matters.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    ds_config = deepspeed_config(config, dims, dims.accumulation_steps(config))
+    ds_config = deepspeed_config(config, mesh.dims)
     engine, _, _, _ = deepspeed.initialize(
         model=state.model,
         optimizer=state.optimizer,
@@ -114,7 +174,7 @@ def apply_deepspeed(state: TrainState, config: RapidformerConfig, dims: Parallel
     sharded = {1: "optimizer state", 2: "optimizer state, gradients"}.get(
         stage, "optimizer state, gradients, parameters"
     )
-    detail = f"{sharded} sharded over {dims.dp} ranks; {type(engine.optimizer).__name__}"
+    detail = f"{sharded} sharded over {mesh.dims.dp} ranks; {type(engine.optimizer).__name__}"
     detail += f" stepping {type(state.optimizer).__name__}"
     if config.precision.resolved != "fp32":
         detail += f"; {config.precision.resolved} with fp32 master weights"
@@ -129,136 +189,70 @@ def apply_deepspeed(state: TrainState, config: RapidformerConfig, dims: Parallel
         )
     )
     state.model = engine
-    state.deepspeed = engine
+    state.forward_backward = DeepSpeedForwardBackward(engine)
+    state.stepper = DeepSpeedStepper(engine)
+    state.checkpoint_format = DeepSpeedFormat(engine)
     return state
 
 
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The whole model state dict with the fp32 master weights (not the bf16/fp16 copies the
-    module computes with), gathered from every rank's partitions: a collective, every rank
-    calls it and gets the whole dict."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    module = engine.module
-    full = {name: safe_get_full_fp32_param(p).cpu() for name, p in module.named_parameters()}
-    # Buffers (and anything else the state dict holds) are whole on every rank.
-    names = set(full)
-    for name, tensor in module.state_dict().items():
-        if name not in names and tensor.numel():
-            full[name] = tensor.cpu()
-    return full
-
-
-def rescale_gradients(engine: Any, factor: float) -> None:
-    """Multiply the gradients DeepSpeed holds for the coming step (reduced and partitioned).
-    Each rank scales its own partitions: no communication."""
-    optimizer = engine.optimizer
-    if engine.zero_optimization_stage() == 3:
-        from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
-
-        for param in engine.module.parameters():
-            grad = safe_get_local_grad(param) if param.requires_grad else None
-            if grad is not None:
-                safe_set_local_grad(param, grad * factor)
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """What --zero-backend deepspeed needs: DeepSpeed itself, a ZeRO stage to run, and no
+    switch that would fight its engine for the model or the numerics."""
+    if not is_deepspeed(config):
         return
-    if getattr(optimizer, "cpu_offload", False):
-        # ZeRO-Offload at stage 1/2 accumulates the step's gradient straight into the fp32
-        # CPU partitions and keeps each parameter's gradient norm for clipping, out of reach
-        # of the gradient API: scale both (tests/accel/test_deepspeed.py guards this).
-        for partition in optimizer.single_partition_of_fp32_groups:
-            if partition.grad is not None:
-                partition.grad.mul_(factor)
-        norms = optimizer.norm_for_param_grads
-        for key in norms:
-            norms[key] = norms[key] * abs(factor)
-        return
-    # Stage 1/2 hold the step's reduced gradient partitions in ``averaged_gradients``, which
-    # step() flattens (DeepSpeed's safe_set_full_grad would all-reduce every whole gradient).
-    assert hasattr(optimizer, "averaged_gradients"), f"cannot rescale {type(optimizer).__name__}"
-    parts = optimizer.averaged_gradients.values()
-    torch._foreach_mul_([g for part in parts for g in part or () if g is not None], factor)
-
-
-def held_state_bytes(engine: Any) -> StateBytes:
-    """Model-state bytes this rank holds under DeepSpeed, counted from its tensors: the
-    module's parameters (their partitions at stage 3) plus the fp32 master partitions (when
-    they are a separate copy), the gradient partitions, and the optimizer's state."""
-    optimizer = engine.optimizer
-    inner = getattr(optimizer, "optimizer", optimizer)
-    # The fp32 master partitions the optimizer steps (stage 3 swaps them into the optimizer's
-    # groups only while it steps, so they are read from DeepSpeed's own lists).
-    masters = list(
-        getattr(optimizer, "single_partition_of_fp32_groups", None)
-        or getattr(optimizer, "fp32_partitioned_groups_flat", None)
-        or [p for group in inner.param_groups for p in group["params"]]
-    )
-    module_params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    module_storage = {_storage(p) for p in module_params}
-    parameters = sum(held_bytes(p) for p in module_params)
-    parameters += sum(held_bytes(m) for m in masters if _storage(m) not in module_storage)
-    # Between the last backward of a step and the step, the reduced gradient partitions sit in
-    # ``averaged_gradients`` (or, under offload, on the fp32 masters); whole ones only on the
-    # module's parameters.
-    grads = [m.grad for m in masters if m.grad is not None]
-    grads += [p.grad for p in engine.module.parameters() if p.grad is not None]
-    for partition in getattr(optimizer, "averaged_gradients", {}).values():
-        grads += [g for g in partition or () if g is not None]
-    unique = {(_storage(g), g.storage_offset(), g.numel()): g for g in grads}
-    gradients = sum(held_bytes(g) for g in unique.values())
-    optimizer_bytes = sum(
-        held_bytes(t)
-        for slots in inner.state.values()
-        for t in slots.values()
-        if isinstance(t, torch.Tensor) and t.ndim > 0
-    )
-    return StateBytes(parameters=parameters, gradients=gradients, optimizer=optimizer_bytes)
-
-
-def expected_state_bytes(engine: Any) -> tuple[StateBytes, StateBytes]:
-    """(this rank once training, plain DDP), before the first step: gradient partitions the
-    size of the fp32 masters, optimizer state a slot per master element."""
-    now = held_state_bytes(engine)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    masters = sum(
-        held_bytes(m)
-        for m in getattr(engine.optimizer, "single_partition_of_fp32_groups", None)
-        or getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
-        or ()
-    )
-    slots = state_slots(inner)
-    held = StateBytes(now.parameters, masters, slots * masters)
-    full = sum(
-        getattr(p, "ds_numel", p.numel()) * p.element_size() for p in engine.module.parameters()
-    )
-    return held, StateBytes(full, full, slots * full)
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-
-
-def save(engine: Any, directory: Path) -> None:
-    """Every rank writes its partitions under ``directory``/deepspeed (a collective)."""
-    engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
-
-
-def load(engine: Any, directory: Path) -> None:
-    """Restore the model, optimizer partitions and DeepSpeed's counters (a collective)."""
-    path, _ = engine.load_checkpoint(
-        str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
-    if path is None:
-        raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory / TAG}")
-
-
-def is_deepspeed_checkpoint(directory: Path) -> bool:
-    return (directory / TAG).is_dir()
-
-
-def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """The whole fp32 model state dict from a DeepSpeed checkpoint, in this one process (no
-    process group: DeepSpeed's zero_to_fp32 merges the ranks' partition files)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
-    return {name: tensor.contiguous() for name, tensor in state.items()}
+    flag, dims = "--zero-backend", context.dims
+    if importlib.util.find_spec("deepspeed") is None:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "DeepSpeed is not installed",
+            "pip install 'rapidformer[deepspeed]', or use --zero-backend native",
+        )
+    if not config.memory.sharding_flags:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "the DeepSpeed backend runs a ZeRO stage and none was chosen",
+            "add --zero-1-memory-optimization, --zero-2-memory-optimization or "
+            "--zero-3-memory-optimization",
+        )
+    if dims.tp > 1 or dims.pp > 1:
+        yield Violation(
+            flag,
+            "deepspeed",
+            f"DeepSpeed ZeRO is not combined with tensor ({dims.tp}) or pipeline ({dims.pp}) "
+            "parallelism here",
+            "use --zero-backend native, or a tensor/pipeline size of 1",
+        )
+    if config.optimizer.optimizers == "apex_lamb":
+        yield Violation(
+            "--optimizers",
+            "apex_lamb",
+            "DeepSpeed ZeRO flattens each parameter group into one partition per rank, so "
+            "LAMB's per-tensor trust ratio would be computed per partition (not LAMB, and "
+            "different for every rank count)",
+            "use --optimizers apex_adam, or --zero-backend native (LAMB works there)",
+        )
+    if config.graph.onnx_runtime_training:
+        yield Violation(
+            flag,
+            "deepspeed",
+            "ONNX Runtime runs the forward and backward itself; DeepSpeed cannot own them too",
+            "drop --onnx-runtime-training or --zero-backend deepspeed",
+        )
+    if config.graph.torch_compile:
+        yield Violation(
+            "--torch-compile",
+            True,
+            "compiled blocks are not run under the DeepSpeed engine (its ZeRO-3 hooks and "
+            "gradient hooks are untested with them)",
+            "drop --torch-compile, or use --zero-backend native",
+        )
+    if config.precision.resolved == "fp16" and not torch.cuda.is_available():
+        precision = config.precision
+        yield Violation(
+            "--mixed-precision" if precision.mixed_precision else "--precision",
+            True if precision.mixed_precision else "fp16",
+            "DeepSpeed runs fp16 only on GPUs and none is present",
+            "use --precision bf16 or fp32 on this machine",
+        )

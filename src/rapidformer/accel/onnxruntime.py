@@ -1,111 +1,56 @@
 """--onnx-runtime-training: the forward and backward of ``train_step`` run in ONNX Runtime.
 
 ORTModule (torch-ort) does not work with torch 2.13, so this uses onnxruntime-training's
-on-device training API instead:
+on-device training API instead. :mod:`rapidformer.accel.onnx_export` exports ``train_step`` per
+batch signature and builds its gradient graph; this module runs it. Per micro-batch: the
+current torch parameter values are copied into the ORT checkpoint state (once per optimizer
+step), ORT runs forward and backward (``api.Module`` in train mode), its gradients are read from
+the state and its gradient buffers lazily reset. The loss comes back as a torch scalar attached
+to the torch parameters by :class:`_OrtLoss`, whose backward hands ORT's gradients (times the
+incoming gradient) to the parameters.
 
-1. On the first micro-batch of each distinct set of input names, dtypes and shapes, a small
-   module whose ``forward(*batch tensors)`` calls the Trainer's ``train_step`` is exported with
-   torch's legacy (TorchScript) ONNX exporter, in TRAINING mode (in EVAL mode the exporter
-   merges parameters whose *values* are equal, e.g. zero biases, into one initializer), at
-   opset 17 without constant folding. Outputs: the loss and, when ``train_step`` returns it as
-   a tensor, ``num_tokens``.
-2. ``onnxruntime.training.artifacts.generate_artifacts`` builds the gradient graph (the
-   exported loss is the graph's first output, so no loss block is added) and its checkpoint;
-   no optimizer graph (see below). Every generated model's ``ir_version`` is lowered to 10:
-   onnx 1.23 writes 14 into models it builds, which onnxruntime-training 1.19 cannot read.
-3. Per micro-batch: the current torch parameter values are copied into the ORT checkpoint
-   state (only after they changed, i.e. after an optimizer step), ORT runs forward and backward
-   (``api.Module`` in train mode), its gradients are read from the state and its gradient
-   buffers lazily reset. The loss comes back as a torch scalar attached to the torch parameters
-   by :class:`_OrtLoss`, whose backward hands ORT's gradients (times the incoming gradient) to
-   the parameters.
+torch parameters stay the source of truth, so everything else is unchanged: the engine's exact,
+count-weighted accumulation (the loss is scaled before its backward), clipping, the optimizer
+step (torch's or rapidformer's), the LR schedule, checkpoints; evaluation runs the torch model.
+ORT's generated AdamW is not used: it is Hugging Face's formulation rather than torch's, and an
+earlier trial saw it turn every parameter NaN (docs/onnxruntime.md has what was found).
 
-torch parameters stay the source of truth, so rapidformer's engine does what it always does
-with the loss: count-weighted gradient accumulation, clipping, the optimizer step (torch's or
-rapidformer's), the LR schedule, checkpoints; evaluation runs the torch model. ORT's generated
-AdamW is not used: it is Hugging Face's formulation rather than torch's, and an earlier trial
-saw it turn every parameter NaN (docs/onnxruntime.md has what was found).
+It is the forward-backward slot (:class:`OrtForwardBackward`) of the train state. The exported
+graph holds the plain module, so no DDP wraps it: with several data-parallel ranks the slot
+averages the gradients over the data-parallel group itself after a step's last backward.
 
 Shapes: one ONNX graph per distinct input shape, exported without dynamic axes. The legacy
-tracer can bake a shape into the graph (a ``view`` with Python ints, a Python ``num_tokens``),
-which dynamic axes would then silently get wrong; with fixed-shape data that is one or two
-exports (the last, shorter batch), with ``--data-iterator dynamic-shape`` one per bucket.
+tracer can bake a shape into the graph (a ``view`` with Python ints), which dynamic axes would
+then silently get wrong; with fixed-shape data that is one or two exports (the last, shorter
+batch), with ``--data-iterator dynamic-shape`` one per bucket.
 
-Graph fixes before the gradient build: every Dropout gets its mask output and every
-LayerNormalization its mean and inverse-std outputs (their gradients read them; without them
-the builder fails), every Dropout a training_mode input (the exporter's attention dropout
-lacks it, which ONNX reads as "no dropout"); a Where input that broadcasts goes through an
-explicit Expand (ORT's Where gradient does not sum a broadcast input's gradient back); int64
-ArgMax/ArgMin read a double cast (ORT's CPU kernels have no int64 version). After it: the
-``padding_idx`` row of an embedding's gradient is zeroed as torch does, unless the weight is
-tied to another use.
-
-Data parallel: DDP wraps the model but its forward never runs (the unwrapped model is traced),
-so the Trainer calls :meth:`OrtTrainStep.sync_gradients` after a step's last backward to average
-the gradients over the ranks, as DDP's hooks would have.
-
-Limits (checked by :mod:`rapidformer.config.validate`): fp32; no sharding, offload, compile,
-activation checkpointing, tensor/pipeline parallelism or experts.
+Limits (checked by :func:`rules`): fp32; no sharding, offload, compile, activation
+checkpointing, tensor/pipeline parallelism or experts; only the Trainer templates.
 ``train_step`` must be traceable: tensor operations on the batch, no data-dependent Python
 control flow. docs/onnxruntime.md has the details and the measurements.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import sys
+import dataclasses
+import importlib.util
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from rapidformer.accel.onnx_graph import add_saved_outputs, expand_where_inputs, float_argmax
+from rapidformer.accel.eager import EagerForwardBackward
+from rapidformer.accel.onnx_export import OrtExporter, OrtSession, StepFn, flatten_batch
+from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
-from rapidformer.engine.state import PlanStep, TrainState
-from rapidformer.errors import ConfigError, RapidformerError
-
-OPSET = 17
-"""The exporter's LayerNormalization (opset 17+) is one fused op; its gradient needs the
-optional outputs that :func:`rapidformer.accel.onnx_graph.add_saved_outputs` adds (at opset 14
-it is decomposed)."""
-MAX_IR_VERSION = 10
-"""The newest ONNX IR version onnxruntime-training 1.19 reads."""
-
-StepFn = Callable[[Any], Any]
-
-
-class OrtUnavailableError(RapidformerError, ImportError):
-    """onnxruntime-training cannot be imported."""
-
-
-class OrtBuildError(RapidformerError, RuntimeError):
-    """train_step could not be exported or its gradient graph built."""
-
-
-def import_ort() -> tuple[Any, Any, Any]:
-    """``(onnx, onnxruntime.training.artifacts, onnxruntime.training.api)`` or a clear error."""
-    try:
-        import onnx
-        from onnxruntime.training import api, artifacts
-    except ImportError as error:
-        raise OrtUnavailableError(
-            "--onnx-runtime-training needs onnxruntime-training and onnx, which failed to "
-            f"import ({error}). Install them with `pip install 'rapidformer[onnx]'`: "
-            "onnxruntime-training has wheels for Python 3.10 and 3.11 only, and must not be "
-            "installed together with the plain `onnxruntime` package (both provide the "
-            "`onnxruntime` module; uninstall onnxruntime first)."
-        ) from error
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(3)  # errors only: graph building logs at INFO
-    return onnx, artifacts, api
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import Violation
+from rapidformer.state import PlanStep, StepFunctions, TrainState
 
 
 def ort_version() -> str:
@@ -123,8 +68,8 @@ def plan_step(ranks: int = 1) -> PlanStep:
     engine = (
         f"onnxruntime-training {ort_version()} training API (forward+backward), torch optimizer"
     )
-    if ranks > 1:  # DDP's wrapper stays in the plan, but its hooks are idle
-        engine += f", gradients averaged over {ranks} ranks by rapidformer instead of DDP"
+    if ranks > 1:
+        engine += f", gradients averaged over {ranks} data-parallel ranks by rapidformer"
     # The onnxruntime-training wheel is a CPU build: say so, above all on a GPU machine, where
     # every step copies parameters and gradients between the devices.
     detail = "CPU execution provider"
@@ -151,61 +96,12 @@ class _OrtLoss(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class _Traced(nn.Module):
-    """What is exported: ``forward(*tensors)`` rebuilds the batch and calls ``train_step``."""
-
-    def __init__(
-        self, model: nn.Module, step: StepFn, rebuild: Callable[[tuple[Any, ...]], Any]
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.step = step
-        self.rebuild = rebuild
-        self.constants: dict[str, Any] = {}
-        """Non-tensor outputs seen while tracing (a Python ``num_tokens``): fixed per shape."""
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        output = self.step(self.rebuild(tensors))
-        if isinstance(output, torch.Tensor):
-            return (output,)
-        loss, num_tokens = output["loss"], output.get("num_tokens")
-        if num_tokens is None or isinstance(num_tokens, torch.Tensor):
-            return (loss,) if num_tokens is None else (loss, num_tokens)
-        self.constants["num_tokens"] = num_tokens
-        return (loss,)
-
-
-class _Session:
-    """One exported graph, its ORT training module and the parameter name mapping."""
-
-    def __init__(
-        self,
-        module: Any,
-        state: Any,
-        names: list[str | None],
-        outputs: list[str],
-        constants: dict[str, Any],
-        inputs: list[int],
-    ) -> None:
-        self.module = module
-        self.inputs = inputs
-        """Indices of the batch tensors the graph takes (in order)."""
-        self.state = state
-        self.names = names
-        """ORT parameter name of each torch parameter (None: unused by the graph)."""
-        self.outputs = outputs
-        self.constants = constants
-        self.versions: list[int] | None = None
-        self.padding_rows: dict[int, int] = {}
-        """Parameter index -> embedding row whose gradient is zeroed (see _build)."""
-
-
 class OrtTrainStep:
-    """Replaces ``train_step(batch)`` by ORT's forward and backward; see the module docstring.
+    """Replaces ``step(batch) -> loss`` by ORT's forward and backward.
 
-    ``step`` is the Trainer's ``train_step`` (it must use ``model``, the unwrapped module whose
-    parameters the optimizer steps). Call it like ``train_step``: it returns ``{"loss",
-    "num_tokens"}`` with a loss whose ``backward()`` gives the parameters ORT's gradients.
+    ``step`` must compute the loss with ``model``, the unwrapped module whose parameters the
+    optimizer steps. Calling the instance returns a loss whose ``backward()`` gives the
+    parameters ORT's gradients.
     """
 
     def __init__(
@@ -215,35 +111,31 @@ class OrtTrainStep:
         work_dir: str | Path | None = None,
         seed: int | None = None,
     ) -> None:
-        self.onnx, self.artifacts, self.api = import_ort()
-        import onnxruntime
-
-        self.ort = onnxruntime
-        if seed is not None:  # ORT's own generator draws the dropout masks
-            onnxruntime.set_seed(seed)
-        self.step = step
-        self.model = model
-        self.params: list[tuple[str, nn.Parameter]] = list(model.named_parameters())
-        self.padding_rows = _padding_rows(model, self.params)
-        """Parameter index -> padding_idx of an nn.Embedding: torch's embedding backward
-        skips that row, the exported Gather's gradient does not (the exporter warns)."""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="rapidformer-ort-")
             work_dir = self._tmp.name
-        self.work_dir = Path(work_dir)
-        self.sessions: dict[tuple[Any, ...], _Session] = {}
-        self.exports = 0
-        """Graphs exported so far (one per distinct input signature)."""
+        self.exporter = OrtExporter(model, Path(work_dir))
+        self.ort = self.exporter.ort
+        if seed is not None:  # ORT's own generator draws the dropout masks
+            self.ort.set_seed(seed)
+        self.step = step
+        self.params = self.exporter.params
+        self.sessions: dict[tuple[Any, ...], OrtSession] = {}
 
-    def __call__(self, batch: Any) -> dict[str, Any]:
-        keys, tensors, constants, rebuild = _flatten(batch)
+    @property
+    def exports(self) -> int:
+        """Graphs exported so far (one per distinct input signature)."""
+        return self.exporter.exports
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        keys, tensors, constants, rebuild = flatten_batch(batch)
         signature = tuple(
             (key, str(t.dtype), tuple(t.shape)) for key, t in zip(keys, tensors, strict=True)
         ) + tuple(constants)
         session = self.sessions.get(signature)
         if session is None:
-            session = self._build(keys, tensors, rebuild)
+            session = self.exporter.build(self.step, keys, tensors, rebuild)
             self.sessions[signature] = session
         self._load_parameters(session)
         # ORT's own generator draws the dropout masks: seed it from torch's, whose state every
@@ -268,27 +160,21 @@ class OrtTrainStep:
         session.module.lazy_reset_grad()
         device = self.params[0][1].device if self.params else torch.device("cpu")
         loss = torch.from_numpy(np.asarray(outputs[0], dtype=np.float32)).to(device)
-        loss = _OrtLoss.apply(loss, grads, *(p for _, p in self.params))
-        result: dict[str, Any] = {"loss": loss}
-        if len(outputs) > 1:
-            result["num_tokens"] = torch.from_numpy(np.asarray(outputs[1])).to(device)
-        elif "num_tokens" in session.constants:
-            result["num_tokens"] = session.constants["num_tokens"]
+        result: torch.Tensor = _OrtLoss.apply(loss, grads, *(p for _, p in self.params))
         return result
 
-    def sync_gradients(self) -> None:
-        """Average the accumulated gradients over the data-parallel ranks, as DDP's backward
-        would (its hooks stay idle: its forward, which arms them, does not run). Call it once
-        per optimizer step, after the last micro-batch's backward; a no-op on one process.
-        Every rank's graph uses the same parameters, so the same gradients are present."""
-        world = process_group.world_size()
-        if world == 1:
+    def sync_gradients(self, group: process_group.Group) -> None:
+        """Average the accumulated gradients over ``group`` (the data-parallel ranks), as
+        DDP's backward would. Call it once per optimizer step, after the last micro-batch's
+        backward; a no-op for a group of one. Every rank's graph uses the same parameters, so
+        the same gradients are present."""
+        if group is None:
             return
         grads = [p.grad for _, p in self.params if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        process_group.all_reduce_sum(flat).div_(world)
+        process_group.all_reduce_sum(flat, group).div_(torch.distributed.get_world_size(group))
         chunks = flat.split([g.numel() for g in grads])
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(chunks, grads, strict=True)])
 
@@ -304,120 +190,10 @@ class OrtTrainStep:
             self._tmp.cleanup()
             self._tmp = None
 
-    # ---- building ------------------------------------------------------------------------
-    def _build(
-        self, keys: list[str], tensors: list[torch.Tensor], rebuild: Callable[..., Any]
-    ) -> _Session:
-        onnx = self.onnx
-        traced = _Traced(self.model, self.step, rebuild)
-        input_names = [_onnx_name(key, i) for i, key in enumerate(keys)]
-        buffer = io.BytesIO()
-        was_training = self.model.training
-        self.model.train()
-        # The exporter runs the model once more while tracing: keep the RNG where eager is.
-        rng = torch.random.get_rng_state()
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                torch.onnx.export(
-                    traced,
-                    tuple(t.detach() for t in tensors),
-                    buffer,  # type: ignore[arg-type]  # a file object works
-                    dynamo=False,
-                    training=torch.onnx.TrainingMode.TRAINING,
-                    do_constant_folding=False,
-                    opset_version=OPSET,
-                    input_names=input_names,
-                    export_params=True,
-                )
-        finally:
-            torch.random.set_rng_state(rng)
-            self.model.train(was_training)
-        self.exports += 1
-        model_proto = onnx.load_from_string(buffer.getvalue())
-        outputs = [o.name for o in model_proto.graph.output]
-        # Batch tensors train_step does not read are not graph inputs.
-        graph_inputs = {i.name for i in model_proto.graph.input}
-        used = [i for i, name in enumerate(input_names) if name in graph_inputs]
-        initializers = {init.name for init in model_proto.graph.initializer}
-        names: list[str | None] = []
-        requires_grad: list[str] = []
-        frozen: list[str] = []
-        aliases: dict[int, list[str]] = {}  # tied weights have several names
-        for torch_name, param in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(param), []).append("model." + torch_name)
-        for _, param in self.params:
-            name = next((n for n in aliases[id(param)] if n in initializers), None)
-            if name is None:
-                names.append(None)  # not used by train_step (e.g. a pooler a task skips)
-                continue
-            names.append(name)
-            (requires_grad if param.requires_grad else frozen).append(name)
-        if not requires_grad:
-            raise ConfigError.single(
-                "--onnx-runtime-training",
-                True,
-                "the exported train_step uses none of the model's trainable parameters by "
-                "name (they were renamed or folded into constants)",
-                "make train_step call self.model on the batch, or drop the flag",
-            )
-        directory = self.work_dir / f"graph{self.exports}"
-        directory.mkdir(parents=True, exist_ok=True)
-        add_saved_outputs(model_proto)
-        float_argmax(model_proto)
-        expand_where_inputs(model_proto)
-        with _native_stderr_to(directory / "generate_artifacts.log") as log_path:
-            try:
-                self.artifacts.generate_artifacts(
-                    model_proto,
-                    requires_grad=requires_grad,
-                    frozen_params=frozen,
-                    loss=None,  # the graph's first output is already the loss
-                    optimizer=None,  # torch steps the parameters
-                    artifact_directory=directory,
-                )
-            except Exception as error:
-                raise OrtBuildError(
-                    f"onnxruntime-training could not build the gradient graph of train_step "
-                    f"({type(error).__name__}: {error}); its log is in {log_path}"
-                ) from error
-        for path in directory.glob("*.onnx"):
-            generated = onnx.load(str(path))
-            if generated.ir_version > MAX_IR_VERSION:
-                generated.ir_version = MAX_IR_VERSION
-                onnx.save(generated, str(path))
-        state = self.api.CheckpointState.load_checkpoint(str(directory / "checkpoint"))
-        options = self.ort.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()  # as many threads as torch
-        try:
-            module = self.api.Module(
-                str(directory / "training_model.onnx"), state, session_options=options
-            )
-        except RuntimeError as error:
-            raise OrtBuildError(
-                f"onnxruntime-training could not load the gradient graph it built for "
-                f"train_step ({error}); the graphs are in {directory}"
-            ) from error
-        module.train()
-        session = _Session(module, state, names, outputs, dict(traced.constants), used)
-        # Zero the padding row only where the weight feeds nothing but Gathers: a tied weight
-        # (BERT's MLM decoder) gets gradient in that row from its other use too, which torch
-        # keeps; there the row's Gather gradient stays (zero unless padding reaches the loss).
-        users: dict[str, set[str]] = {}
-        for node in model_proto.graph.node:
-            for name in node.input:
-                users.setdefault(name, set()).add(node.op_type)
-        session.padding_rows = {
-            index: row
-            for index, row in self.padding_rows.items()
-            if (name := names[index]) is not None and users.get(name) == {"Gather"}
-        }
-        return session
-
-    def _load_parameters(self, session: _Session) -> None:
+    def _load_parameters(self, session: OrtSession) -> None:
         """Copy the torch parameters into ORT when they changed since the last copy: after
-        an optimizer step (see :func:`apply_onnxruntime`), or an in-place update that bumped
-        a parameter's version (e.g. loading a checkpoint)."""
+        an optimizer step (see :meth:`OrtForwardBackward.run`), or an in-place update that
+        bumped a parameter's version."""
         versions = [p._version for _, p in self.params]
         if versions == session.versions:
             return
@@ -428,123 +204,142 @@ class OrtTrainStep:
         session.versions = versions
 
 
-@contextlib.contextmanager
-def _native_stderr_to(path: Path) -> Iterator[Path]:
-    """Send what native code writes to file descriptor 2 (ORT's graph-building INFO lines,
-    which its logger settings do not silence) to ``path``."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(path, "wb") as sink:
-            os.dup2(sink.fileno(), 2)
-            try:
-                yield path
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
+class OrtForwardBackward(EagerForwardBackward):
+    """The forward-backward slot under ``--onnx-runtime-training``: the eager micro-batch loop
+    with ORT computing each loss and its gradients; see the module docstring."""
 
+    name = "ONNX Runtime training"
+    reduces_gradients = True
 
-def _padding_rows(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> dict[int, int]:
-    index = {id(param): i for i, (_, param) in enumerate(params)}
-    rows = {}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            isinstance(module, nn.Embedding)
-            and module.padding_idx is not None
-            and id(weight) in index
-        ):
-            rows[index[id(weight)]] = module.padding_idx
-    return rows
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.model = model
+        self.seed = seed
+        self.ort_step: OrtTrainStep | None = None
+        """Built around the step function at the first step (one per run)."""
+        self._closed_exports = 0
 
+    @property
+    def exports(self) -> int:
+        """Graphs exported so far (one per distinct batch signature)."""
+        return self._closed_exports + (self.ort_step.exports if self.ort_step else 0)
 
-def _onnx_name(key: str, index: int) -> str:
-    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in key)
-    return f"input_{index}_{cleaned}"
+    def forward_is_collective(self, state: TrainState) -> bool:
+        return False
 
+    def run(
+        self, state: TrainState, batches: Sequence[Any], step: StepFunctions, scales: torch.Tensor
+    ) -> torch.Tensor:
+        if self.ort_step is None:
+            self.ort_step = OrtTrainStep(step.train_step, self.model, seed=self.seed)
+        # The parameters changed since the last step (the optimizer stepped, a checkpoint was
+        # loaded): ORT gets the new values before this step's first forward.
+        self.ort_step.parameters_changed()
+        ort = dataclasses.replace(step, train_step=self.ort_step)
+        losses = super().run(state, batches, ort, scales)
+        self.ort_step.sync_gradients(state.mesh.group("dp"))  # what DDP's backward would do
+        return losses
 
-def _flatten(
-    batch: Any,
-) -> tuple[list[str], list[torch.Tensor], list[str], Callable[..., Any]]:
-    """The batch's tensors, their key paths, the other values (as repr: they are fixed in the
-    graph, so a new value means a new graph) and a function that puts new tensors back into
-    the same structure."""
-    keys: list[str] = []
-    tensors: list[torch.Tensor] = []
-    constants: list[str] = []
-
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            keys.append(path)
-            tensors.append(value)
-            return len(tensors) - 1
-        if isinstance(value, Mapping):
-            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return type(value)(walk(v, f"{path}.{i}") for i, v in enumerate(value))
-        constants.append(f"{path}={value!r}")
-        return _Constant(value)
-
-    template = walk(batch, "batch")
-
-    def rebuild(new: tuple[Any, ...]) -> Any:
-        def fill(node: Any) -> Any:
-            if isinstance(node, int) and not isinstance(node, bool):
-                return new[node]
-            if isinstance(node, _Constant):
-                return node.value
-            if isinstance(node, Mapping):
-                return {k: fill(v) for k, v in node.items()}
-            if isinstance(node, list | tuple):
-                return type(node)(fill(v) for v in node)
-            return node
-
-        return fill(template)
-
-    return keys, tensors, constants, rebuild
-
-
-class _Constant:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _HasTrainStep(Protocol):
-    model: nn.Module | None
-
-    def train_step(self, batch: Any) -> Any: ...
+    def close(self) -> None:
+        """Drop ORT's graphs and parameter copies, and their files."""
+        if self.ort_step is not None:
+            self._closed_exports += self.ort_step.exports
+            self.ort_step.close()
+            self.ort_step = None
 
 
 def apply_onnxruntime(
-    trainer: _HasTrainStep, state: TrainState, *, seed: int, log_plan: bool
-) -> OrtTrainStep:
-    """Build the ORT step for ``trainer.train_step`` and add it to the run plan (compose() has
-    logged the plan already, so the step is logged as its continuation).
+    state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
+) -> TrainState:
+    """Make ONNX Runtime the forward-backward slot (no DDP around the model follows)."""
+    if not config.graph.onnx_runtime_training:
+        return state
+    state.forward_backward = OrtForwardBackward(state.unwrapped_model, config.training.seed)
+    state.plan.append(plan_step(mesh.dims.dp))
+    return state
 
-    ``train_step`` calls ``trainer.model``, which under DDP is the wrapper: while it is traced
-    the unwrapped model takes its place, so that the graph holds the plain parameters and DDP's
-    forward (which prepares its backward hooks) never runs; :meth:`OrtTrainStep.sync_gradients`
-    averages the gradients over the ranks instead.
-    """
 
-    def step(batch: Any) -> Any:
-        wrapped = trainer.model
-        trainer.model = state.unwrapped_model
-        try:
-            return trainer.train_step(batch)
-        finally:
-            trainer.model = wrapped
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """--onnx-runtime-training runs train_step's forward and backward in ONNX Runtime, torch
+    steps the parameters (rapidformer.accel.onnxruntime): whole, unsharded fp32 models, on one
+    process or data-parallel ranks."""
+    if not config.graph.onnx_runtime_training:
+        return
+    flag, dims = "--onnx-runtime-training", context.dims
+    if not context.runs_loop:
+        yield Violation(
+            flag,
+            True,
+            "only the Trainer templates run train_step in ONNX Runtime; a hand-written "
+            "loop calling the engine would train in torch and ignore the flag",
+            "subclass Trainer (or Pretrainer / Finetuner), or drop the flag",
+        )
+    drop = f"or drop {flag}"
+    memory = config.memory
+    for sharding in memory.sharding_flags:
+        yield Violation(
+            sharding,
+            True,
+            f"cannot be combined with {flag}: ORT holds its own whole copy of the parameters",
+            f"remove {sharding} {drop}",
+        )
+    exclusive = {
+        "--cpu-offload": (memory.cpu_offload, "ORT keeps the parameters in its own memory"),
+        "--checkpoint-activations": (
+            memory.checkpoint_activations,
+            "ORT's gradient graph decides what to keep; torch's checkpoint is not exported",
+        ),
+        "--torch-compile": (
+            config.graph.torch_compile,
+            "the forward and backward already run in ONNX Runtime, not in torch",
+        ),
+    }
+    for name, (on, why) in exclusive.items():
+        if on:
+            yield Violation(name, True, f"cannot be combined with {flag}: {why}", f"remove {name}")
+    parallel = {
+        "--tensor-model-parallel-size": dims.tp,
+        "--pipeline-model-parallel-size": dims.pp,
+    }
+    for name, size in parallel.items():
+        if size > 1:
+            yield Violation(
+                name,
+                size,
+                f"must be 1 with {flag}: the exported graph is the whole model on one process",
+                f"use {name} 1 {drop}",
+            )
+    experts = config.moe.num_experts
+    if experts is not None and experts > 1:
+        yield Violation(
+            "--num-experts",
+            experts,
+            f"must be 1 with {flag}: expert routing needs all-to-all collectives in the step",
+            f"remove --num-experts {drop}",
+        )
+    precision = config.precision.resolved
+    if precision != "fp32":
+        yield Violation(
+            "--mixed-precision" if config.precision.mixed_precision else "--precision",
+            True if config.precision.mixed_precision else precision,
+            f"{flag} trains in fp32: the exported graph would not contain torch's autocast",
+            f"use --precision fp32 {drop}",
+        )
+    if not _ort_importable():
+        yield Violation(
+            flag,
+            True,
+            "needs onnxruntime-training and onnx, which cannot be imported",
+            "pip install 'rapidformer[onnx]' (onnxruntime-training has wheels for Python 3.10 "
+            "and 3.11 only; it must not be installed together with the plain onnxruntime "
+            "package, which provides the same module)",
+        )
 
-    ort_step = OrtTrainStep(step, state.unwrapped_model, seed=seed)
-    if state.optimizer is not None:
-        # Fused/foreach optimizers update parameters in place without bumping their
-        # version counters: mark them changed after every step.
-        state.optimizer.register_step_post_hook(lambda *_: ort_step.parameters_changed())
-    state.plan.append(plan_step(process_group.world_size()))
-    if log_plan:
-        from rapidformer.logging import log
 
-        log.info("rapidformer plan, continued:\n  %d. %s", len(state.plan), state.plan[-1])
-    return ort_step
+def _ort_importable() -> bool:
+    try:
+        return (
+            importlib.util.find_spec("onnx") is not None
+            and importlib.util.find_spec("onnxruntime.training") is not None
+        )
+    except ImportError:  # onnxruntime itself missing or broken
+        return False

@@ -31,9 +31,9 @@ from torch.optim import Optimizer
 
 from rapidformer.accel.lamb import Lamb
 from rapidformer.config.schema import RapidformerConfig
-from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
+from rapidformer.state import PlanStep, TrainState
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -95,7 +95,10 @@ def build_optimizer(
     return cls(groups, **kwargs), implementation
 
 
-def apply_optimizer(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+def apply_optimizer(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    if state.optimizer is None and state.optimizer_fn is not None:
+        # Built now, over the parameters sharding and materialisation left (no rebuild).
+        state.optimizer = state.optimizer_fn(state.unwrapped_model)
     if state.optimizer is not None:
         state.plan.append(PlanStep("optimizer", "user-supplied", type(state.optimizer).__name__))
         return state

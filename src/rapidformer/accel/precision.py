@@ -19,16 +19,16 @@ from typing import Any
 import torch
 
 from rapidformer.config.schema import RapidformerConfig
-from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.state import PlanStep, TrainState
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def apply_precision(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
+def apply_precision(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     precision = config.precision.resolved
-    if precision == "fp32":
-        return state
+    if precision == "fp32" or config.memory.zero_backend == "deepspeed":
+        return state  # DeepSpeed's engine runs the precision it was configured with
     dtype = _DTYPES[precision]
     device_type = state.device.type
     forward = state.model.forward

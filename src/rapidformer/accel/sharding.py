@@ -31,6 +31,7 @@ which is the memory this mode exists to save.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -47,9 +48,10 @@ from torch.optim import Optimizer
 
 from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.config.schema import RapidformerConfig
-from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.state import PlanStep, TrainState
-from rapidformer.errors import ConfigError
+from rapidformer.config.validate import RunContext
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import ConfigError, Violation
+from rapidformer.state import PlanStep, TrainState
 
 Mode = Literal["oss", "sdp", "fsdp"]
 
@@ -70,6 +72,11 @@ def sharding_mode(config: RapidformerConfig) -> tuple[Mode, str] | None:
     return _MODES[flags[0]] if flags else None
 
 
+def _native_mode(config: RapidformerConfig) -> tuple[Mode, str] | None:
+    """The sharding this module applies: none when the DeepSpeed backend runs ZeRO."""
+    return sharding_mode(config) if config.memory.zero_backend == "native" else None
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: a Hugging Face model's layer classes
     (``_no_split_modules``), else the repeated blocks of an ``nn.ModuleList``."""
@@ -81,10 +88,11 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return find_blocks(model)
 
 
-def apply_sharding(state: TrainState, config: RapidformerConfig, dims: ParallelDims) -> TrainState:
-    """FSDP2 for ZeRO-2/3 (this replaces DDP); OSS keeps DDP and shards the optimizer in
-    :func:`apply_optimizer_sharding`."""
-    mode = sharding_mode(config)
+def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    """FSDP2 for ZeRO-2/3 over the data-parallel mesh (this replaces DDP); OSS keeps DDP and
+    shards the optimizer in :func:`apply_optimizer_sharding`."""
+    mode = _native_mode(config)
+    dims = mesh.dims
     if mode is not None and dims.dp == 1:
         unmoved = (
             ", not offloaded (--cpu-offload acts on shards)" if config.memory.cpu_offload else ""
@@ -106,9 +114,16 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, dims: ParallelD
     names = {id(p): n for n, p in state.model.named_parameters()}
     units = shard_units(state.model)
     unit_class = type(units[0]).__name__ if units else ""  # before FSDP2 renames it FSDP<class>
+    dp_mesh = mesh.submesh("dp")
+    options: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard,
+        "mp_policy": mixed,
+        "offload_policy": offload,
+    }
     for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
-    fully_shard(state.model, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+        fully_shard(unit, **options)
+    fully_shard(state.model, **options)
     what = "parameters, gradients, optimizer state" if reshard else "gradients, optimizer state"
     detail = (
         f"{what} sharded over {dims.dp} ranks; {len(units)} units"
@@ -163,18 +178,23 @@ def _rebuilt(
 
 
 def apply_optimizer_sharding(
-    state: TrainState, config: RapidformerConfig, dims: ParallelDims
+    state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
 ) -> TrainState:
     """ZeRO-1/OSS: rebuild the optimizer as a ZeroRedundancyOptimizer of the same class,
-    groups and hyper-parameters (runs after the optimizer exists)."""
-    mode = sharding_mode(config)
+    groups and hyper-parameters over the data-parallel group (runs after the optimizer
+    exists)."""
+    mode = _native_mode(config)
     optimizer = state.optimizer
+    dims = mesh.dims
     if mode is None or mode[0] != "oss" or dims.dp == 1 or optimizer is None:
         return state
     _require_fresh(optimizer, mode_flag(config))
     groups = [dict(group) for group in optimizer.param_groups]
     state.optimizer = ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), **_constructor_defaults(optimizer)
+        groups,
+        optimizer_class=type(optimizer),
+        process_group=mesh.group("dp"),
+        **_constructor_defaults(optimizer),
     )
     state.plan.append(
         PlanStep(
@@ -188,3 +208,42 @@ def apply_optimizer_sharding(
 
 def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """The memory-optimisation flags: one at a time, offload only of sharded state, no
+    parameter sharding under pipeline parallelism (yet)."""
+    memory, dims = config.memory, context.dims
+    flags = memory.sharding_flags
+    if len(flags) > 1:
+        yield Violation(
+            flags[1],
+            True,
+            f"at most one memory-optimization flag, got {', '.join(flags)}",
+            "keep one of them",
+        )
+    sharders = {  # FSDP2 modes: CPUOffloadPolicy (ZeRO-1/OSS keeps whole parameters on DDP)
+        "--oss-sdp-memory-optimization",
+        "--zero-2-memory-optimization",
+        "--zero-3-memory-optimization",
+        "--fsdp-memory-optimization",
+    }
+    deepspeed = memory.zero_backend == "deepspeed"
+    if memory.cpu_offload and not deepspeed and not sharders.intersection(flags):
+        yield Violation(
+            "--cpu-offload",
+            True,
+            "offload needs sharded model state",
+            "add --zero-2-memory-optimization, --zero-3-memory-optimization or "
+            "--fsdp-memory-optimization",
+        )
+    param_sharding = {"--zero-3-memory-optimization", "--fsdp-memory-optimization"}
+    if dims.pp > 1 and param_sharding.intersection(flags):
+        yield Violation(
+            next(iter(param_sharding.intersection(flags))),
+            True,
+            "parameter sharding cannot be combined with pipeline parallelism "
+            f"(--pipeline-model-parallel-size {dims.pp}); only optimizer-state and gradient "
+            "sharding can",
+            "use --zero-1-memory-optimization or --zero-2-memory-optimization instead",
+        )

@@ -15,7 +15,6 @@ from rapidformer.config.schema import (
     RapidformerConfig,
     TrainingConfig,
 )
-from rapidformer.config.validate import validate
 
 __all__ = [
     "CheckpointConfig",
@@ -33,5 +32,4 @@ __all__ = [
     "build_parser",
     "load_file",
     "parse_args",
-    "validate",
 ]

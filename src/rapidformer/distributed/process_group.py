@@ -1,4 +1,9 @@
-"""Process-group set-up and the few collectives several modules share."""
+"""Process-group set-up and teardown, and the few collectives several modules share.
+
+Every reducing collective takes the group it reduces over (from
+:class:`~rapidformer.distributed.mesh.ParallelMesh`); ``None`` means "this rank alone" and the
+call is a no-op, which is what a one-process run and an axis of degree 1 get.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,11 @@ import torch.distributed as dist
 
 from rapidformer.config.env import LaunchEnv
 
+Group = dist.ProcessGroup | None
+
+_owned = False
+"""Whether rapidformer created the default process group (and so must destroy it)."""
+
 
 def pick_device(env: LaunchEnv) -> torch.device:
     """cuda:LOCAL_RANK when a GPU is present, else the CPU."""
@@ -20,56 +30,88 @@ def pick_device(env: LaunchEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(env: LaunchEnv, device: torch.device, *, always: bool = False) -> bool:
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(env: LaunchEnv, device: torch.device) -> None:
     """Join the job's process group (nccl on GPUs, gloo on CPUs) when there is more than one
-    rank, or ``always`` (a one-rank group, for engines that need one); returns whether this call
-    created it. The launcher's env:// variables say where the rendezvous is."""
-    if dist.is_initialized() or (env.world_size == 1 and not always):
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
-        # Not launched by torchrun: a group of one needs no rendezvous, an in-memory store.
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-        return True
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
-    return True
+    rank. The launcher's env:// variables say where the rendezvous is."""
+    global _owned
+    if dist.is_initialized() or env.world_size == 1:
+        return
+    dist.init_process_group(backend=_backend(device), rank=env.rank, world_size=env.world_size)
+    _owned = True
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A process group exists afterwards: on one process not launched by torchrun, a group of
+    one on an in-memory store (for engines that insist on a group, e.g. DeepSpeed)."""
+    global _owned
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" in os.environ:
+        env = LaunchEnv.read()
+        dist.init_process_group(_backend(device), rank=env.rank, world_size=env.world_size)
+    else:
+        dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+    _owned = True
+
+
+def destroy_process_group() -> None:
+    """Leave the process group if rapidformer created it."""
+    global _owned
+    if _owned and dist.is_initialized():
+        # No rank tears the group down while another still uses it (rank 0 hosts the store).
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    _owned = False
 
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over every rank in place (a no-op on one process) and return it."""
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def _spans_ranks(group: Group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in place (a no-op for None) and return it."""
+    if _spans_ranks(group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_reduce_max(value: int) -> int:
-    """The largest ``value`` over every rank (``value`` itself on one process)."""
-    if not is_distributed():
+def all_reduce_max(value: int, group: Group, device: torch.device) -> int:
+    """The largest ``value`` over ``group`` (``value`` itself for None)."""
+    if not _spans_ranks(group):
         return value
-    tensor = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
 
 
 def sum_over_ranks(
-    outputs: Sequence[Mapping[str, Any]], key: str, device: torch.device | None, size: int = 1
+    outputs: Sequence[Mapping[str, Any]],
+    key: str,
+    device: torch.device | None,
+    group: Group,
+    size: int = 1,
 ) -> torch.Tensor:
     """``key`` (a scalar, or a vector of ``size``) summed over this rank's outputs, then over
-    every rank. Every rank must call it, also one that evaluated nothing (it adds zeros):
-    metrics built from such sums count each sample once, however the samples were sharded."""
+    ``group`` (the data-parallel ranks). Every rank must call it, also one that evaluated nothing
+    (it adds zeros): metrics built from such sums count each sample once, however the samples
+    were sharded."""
     total = torch.zeros(size, dtype=torch.float64, device=device)
     for output in outputs:
         total += torch.as_tensor(output[key], dtype=torch.float64, device=device).reshape(-1)
-    return all_reduce_sum(total)
+    return all_reduce_sum(total, group)
 
 
 def barrier() -> None:
+    """Every rank of the job waits for every other (a no-op on one process)."""
     if is_distributed():
         dist.barrier()
 

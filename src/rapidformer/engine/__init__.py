@@ -1,6 +1,8 @@
-"""The composition engine: applies the enabled accelerations in one canonical order."""
+"""The composition engine: applies the enabled accelerations in one canonical order and runs
+each optimizer step through the train state's slots."""
 
 from rapidformer.engine.engine import RapidformerEngine, StepResult
-from rapidformer.engine.state import PlanStep, TrainState
+from rapidformer.engine.validation import validate
+from rapidformer.state import PlanStep, StepFunctions, TrainState
 
-__all__ = ["PlanStep", "RapidformerEngine", "StepResult", "TrainState"]
+__all__ = ["PlanStep", "RapidformerEngine", "StepFunctions", "StepResult", "TrainState", "validate"]

@@ -5,7 +5,8 @@ post-LayerNorm blocks (bidirectional self-attention with a padding mask, erf-GEL
 pooler (dense + tanh on the first, ``[CLS]``, token); an MLM head (dense + GELU + LayerNorm,
 then a decoder tied to the word embeddings plus its own bias) and a 2-way sentence-order /
 next-sentence head on the pooled output. Numerically it is Hugging Face's
-``BertForPreTraining``; :mod:`rapidformer.models.convert` maps the weights in and out.
+``BertForPreTraining``; :mod:`rapidformer.models.convert` maps the weights in and out. It can be
+built on the meta device and cut into pipeline stages (:mod:`rapidformer.models.stages`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape, init_weights
+from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape
+from rapidformer.models.stages import StagedModel, materialize
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class BertConfig(TransformerShape):
     layernorm_epsilon: float = 1e-12
 
 
-class BertModel(nn.Module):
+class BertModel(StagedModel):
     """BERT encoder with the MLM and sentence-order (NSP) pre-training heads.
 
     Build it with :meth:`build`; the constructor alone leaves PyTorch's default init.
@@ -46,6 +48,27 @@ class BertModel(nn.Module):
     its own bias); ``sop_head``. Each entry ends in ``.weight`` / ``.bias``.
     """
 
+    embedding_modules = (
+        "token_embeddings",
+        "position_embeddings",
+        "token_type_embeddings",
+        "embedding_norm",
+        "embedding_dropout",
+    )
+    head_modules = ("pooler", "mlm_transform", "mlm_activation", "mlm_norm", "lm_head", "sop_head")
+
+    token_embeddings: nn.Embedding | None
+    position_embeddings: nn.Embedding | None
+    token_type_embeddings: nn.Embedding | None
+    embedding_norm: nn.LayerNorm | None
+    embedding_dropout: nn.Dropout | None
+    pooler: nn.Linear | None
+    mlm_transform: nn.Linear | None
+    mlm_activation: nn.GELU | None
+    mlm_norm: nn.LayerNorm | None
+    lm_head: nn.Linear | None
+    sop_head: nn.Linear | None
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
@@ -56,18 +79,20 @@ class BertModel(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
         self.embedding_norm = nn.LayerNorm(hidden, eps=eps)
         self.embedding_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                hidden,
-                config.num_attention_heads,
-                config.ffn_size,
-                config.dropout,
-                eps,
-                approximate="none",
-                norm_first=False,
-                causal=False,
-            )
-            for _ in range(config.num_layers)
+        self.blocks = nn.ModuleDict(
+            {
+                str(layer): TransformerBlock(
+                    hidden,
+                    config.num_attention_heads,
+                    config.ffn_size,
+                    config.dropout,
+                    eps,
+                    approximate="none",
+                    norm_first=False,
+                    causal=False,
+                )
+                for layer in range(config.num_layers)
+            }
         )
         self.pooler = nn.Linear(hidden, hidden)
         self.mlm_transform = nn.Linear(hidden, hidden)
@@ -81,18 +106,25 @@ class BertModel(nn.Module):
     def build(
         cls, config: BertConfig, device: str | torch.device = "cpu", seed: int = 0
     ) -> BertModel:
-        """Construct on the meta device, allocate on ``device`` and initialise: N(0, 0.02)
-        weights, zero biases (the MLM output bias too), unit LayerNorms."""
+        """Construct on the meta device; unless ``device`` is ``"meta"``, allocate on
+        ``device`` and initialise: N(0, 0.02) weights, zero biases (the MLM output bias too),
+        unit LayerNorms (see :meth:`GPTModel.build <rapidformer.models.GPTModel.build>`)."""
         with torch.device("meta"):
             model = cls(config)
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty gives every module its own new Parameter
-        init_weights(model, seed)
+        model.init_seed = seed
+        if torch.device(device).type != "meta":
+            materialize(model, device)
+            model.init_weights()
         return model
 
     def tie_weights(self) -> None:
         """Share the word embedding with the MLM decoder (BERT always ties them)."""
-        self.lm_head.weight = self.token_embeddings.weight
+        if self.lm_head is not None and self.token_embeddings is not None:
+            self.lm_head.weight = self.token_embeddings.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {"lm_head.weight": "token_embeddings.weight"}
 
     @property
     def tp_plan(self) -> dict[str, TPStyle]:
@@ -117,13 +149,38 @@ class BertModel(nn.Module):
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """``(mlm_logits [B, T, vocab], sop_logits [B, 2])`` for ``input_ids`` ``[B, T]``.
 
         ``token_type_ids`` default to 0 (segment A). ``attention_mask`` ``[B, T]`` is 1 for real
         tokens and 0 for padding (anywhere in the sequence); no token attends to padding. Every
         row needs at least one real token.
+
+        A pipeline stage without the embeddings takes the previous stage's hidden states
+        ``[B, T, hidden]`` as ``input_ids`` (and the same ``attention_mask``); one without the
+        heads returns hidden states.
         """
+        x = input_ids
+        if self.token_embeddings is not None:
+            x = self._embed(input_ids, token_type_ids)
+        mask = None
+        if attention_mask is not None:
+            # [B, T] -> [B, 1, 1, T]: every query (and head) sees the same real keys.
+            mask = attention_mask[:, None, None, :].to(torch.bool)
+        for block in self.blocks.values():
+            x = block(x, mask)
+        if self.lm_head is None:
+            return x
+        assert self.pooler and self.mlm_transform and self.mlm_activation and self.mlm_norm
+        assert self.sop_head is not None
+        pooled = torch.tanh(self.pooler(x[:, 0]))
+        hidden = self.mlm_norm(self.mlm_activation(self.mlm_transform(x)))
+        return self.lm_head(hidden), self.sop_head(pooled)
+
+    def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        assert self.token_embeddings is not None and self.position_embeddings is not None
+        assert self.token_type_embeddings is not None and self.embedding_norm is not None
+        assert self.embedding_dropout is not None
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(
@@ -135,13 +192,4 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = x + self.token_type_embeddings(token_type_ids)
-        x = self.embedding_dropout(self.embedding_norm(x))
-        mask = None
-        if attention_mask is not None:
-            # [B, T] -> [B, 1, 1, T]: every query (and head) sees the same real keys.
-            mask = attention_mask[:, None, None, :].to(torch.bool)
-        for block in self.blocks:
-            x = block(x, mask)
-        pooled = torch.tanh(self.pooler(x[:, 0]))
-        hidden = self.mlm_norm(self.mlm_activation(self.mlm_transform(x)))
-        return self.lm_head(hidden), self.sop_head(pooled)
+        return self.embedding_dropout(self.embedding_norm(x))

@@ -3,7 +3,8 @@
 Learned token and position embeddings, a stack of pre-LayerNorm blocks (causal self-attention,
 GELU-tanh MLP), a final LayerNorm and a language-model head tied to the token embedding.
 Numerically it is GPT-2: :mod:`rapidformer.models.convert` maps Hugging Face
-``GPT2LMHeadModel`` weights in and out and the logits agree to float rounding.
+``GPT2LMHeadModel`` weights in and out and the logits agree to float rounding. It can be built
+on the meta device and cut into pipeline stages (:mod:`rapidformer.models.stages`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from rapidformer.models.layers import (
     TransformerBlock,
     TransformerShape,
     gpt2_residual_std,
-    init_weights,
 )
+from rapidformer.models.stages import StagedModel, materialize
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class GPTConfig(TransformerShape):
     tie_word_embeddings: bool = True
 
 
-class GPTModel(nn.Module):
+class GPTModel(StagedModel):
     """GPT-2-style causal language model.
 
     Build it with :meth:`build` (meta-device construction, then deterministic init); calling
@@ -48,8 +49,17 @@ class GPTModel(nn.Module):
     ``blocks.{i}.attention_norm.*``, ``blocks.{i}.attention.{q,k,v,out}_proj.*``,
     ``blocks.{i}.ffn_norm.*``, ``blocks.{i}.ffn.fc1.*``, ``blocks.{i}.ffn.fc2.*``,
     ``final_norm.*`` and ``lm_head.weight`` (the same tensor as ``token_embeddings.weight``
-    when ``tie_word_embeddings``).
+    when ``tie_word_embeddings``, unless a pipeline split puts them on different stages).
     """
+
+    embedding_modules = ("token_embeddings", "position_embeddings", "embedding_dropout")
+    head_modules = ("final_norm", "lm_head")
+
+    token_embeddings: nn.Embedding | None
+    position_embeddings: nn.Embedding | None
+    embedding_dropout: nn.Dropout | None
+    final_norm: nn.LayerNorm | None
+    lm_head: nn.Linear | None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -58,18 +68,20 @@ class GPTModel(nn.Module):
         self.token_embeddings = nn.Embedding(config.vocab_size, hidden)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
         self.embedding_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                hidden,
-                config.num_attention_heads,
-                config.ffn_size,
-                config.dropout,
-                config.layernorm_epsilon,
-                approximate="tanh",
-                norm_first=True,
-                causal=True,
-            )
-            for _ in range(config.num_layers)
+        self.blocks = nn.ModuleDict(
+            {
+                str(layer): TransformerBlock(
+                    hidden,
+                    config.num_attention_heads,
+                    config.ffn_size,
+                    config.dropout,
+                    config.layernorm_epsilon,
+                    approximate="tanh",
+                    norm_first=True,
+                    causal=True,
+                )
+                for layer in range(config.num_layers)
+            }
         )
         self.final_norm = nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
@@ -79,20 +91,33 @@ class GPTModel(nn.Module):
     def build(
         cls, config: GPTConfig, device: str | torch.device = "cpu", seed: int = 0
     ) -> GPTModel:
-        """Construct on the meta device (no memory, no init work), allocate on ``device`` and
-        initialise: N(0, 0.02) weights, GPT-2's N(0, 0.02 / sqrt(2 * layers)) for the residual
-        output projections, zero biases, unit LayerNorms."""
+        """Construct on the meta device (no memory, no init work); unless ``device`` is
+        ``"meta"``, allocate on ``device`` and initialise: N(0, 0.02) weights, GPT-2's
+        N(0, 0.02 / sqrt(2 * layers)) for the residual output projections, zero biases, unit
+        LayerNorms. A meta model is initialised the same way by :meth:`init_weights` once it is
+        parallelised and materialised (the engine does both)."""
         with torch.device("meta"):
             model = cls(config)
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty gives every module its own new Parameter
-        init_weights(model, seed, residual_std=gpt2_residual_std(config.num_layers))
+        model.init_seed = seed
+        if torch.device(device).type != "meta":
+            materialize(model, device)
+            model.init_weights()
         return model
 
     def tie_weights(self) -> None:
         """Share the token embedding with the LM head (when the config ties them)."""
-        if self.config.tie_word_embeddings:
+        tied = self.config.tie_word_embeddings
+        if tied and self.lm_head is not None and self.token_embeddings is not None:
             self.lm_head.weight = self.token_embeddings.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        if not self.config.tie_word_embeddings:
+            return {}
+        return {"lm_head.weight": "token_embeddings.weight"}
+
+    def residual_std(self) -> float:
+        return gpt2_residual_std(self.config.num_layers)
 
     @property
     def tp_plan(self) -> dict[str, TPStyle]:
@@ -120,6 +145,9 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]``.
 
+        A pipeline stage without the embeddings takes the previous stage's hidden states
+        ``[B, T, hidden]`` as ``input_ids``; one without the head returns hidden states.
+
         ``attention_mask`` (1 = real token) is accepted for right-padded batches and not
         applied: under causal attention a real token never attends to the padding that follows
         it, so real tokens' logits are exactly those of the unpadded sequence, and attention
@@ -127,15 +155,21 @@ class GPTModel(nn.Module):
         loss must ignore them. Left padding is not supported (positions would be shifted).
         """
         del attention_mask  # right padding only: see the docstring
-        length = input_ids.shape[1]
-        if length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {length} exceeds max_position_embeddings "
-                f"{self.config.max_position_embeddings}"
-            )
-        positions = torch.arange(length, device=input_ids.device)
-        x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
-        x = self.embedding_dropout(x)
-        for block in self.blocks:
+        x = input_ids
+        if self.token_embeddings is not None:
+            assert self.position_embeddings is not None and self.embedding_dropout is not None
+            length = input_ids.shape[1]
+            if length > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {length} exceeds max_position_embeddings "
+                    f"{self.config.max_position_embeddings}"
+                )
+            positions = torch.arange(length, device=input_ids.device)
+            x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
+            x = self.embedding_dropout(x)
+        for block in self.blocks.values():
             x = block(x)
+        if self.lm_head is None:
+            return x
+        assert self.final_norm is not None
         return self.lm_head(self.final_norm(x))

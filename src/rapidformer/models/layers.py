@@ -14,9 +14,10 @@ Everything here is written so that later parallelism can cut it without rewritin
   fewer heads and the same code runs on it;
 * ``TransformerBlock.ffn`` is a self-contained ``[B, T, H] -> [B, T, H]`` module (``fc1``,
   ``activation``, ``fc2``) that a mixture-of-experts layer can replace;
-* models keep their blocks in one ``nn.ModuleList`` named ``blocks`` (activation checkpointing
-  and pipeline stages cut there) and have no buffers, so they can be created on the meta device
-  and materialised with ``to_empty`` + :func:`init_weights`.
+* models keep their blocks in one ``nn.ModuleDict`` named ``blocks``, keyed by layer index
+  (activation checkpointing and pipeline stages cut there, and a stage's layers keep their
+  names) and have no buffers, so they can be created on the meta device and materialised and
+  initialised after parallelisation (:mod:`rapidformer.models.stages`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ TPStyle = Literal["colwise", "rowwise", "vocab_parallel"]
 outputs are summed), ``vocab_parallel`` shards an Embedding's rows (the vocabulary; the
 partial lookups are summed). Each maps onto ``torch.distributed.tensor.parallel``'s
 ``ColwiseParallel`` / ``RowwiseParallel`` (the latter for both Linear and Embedding)."""
-
-INIT_STD = 0.02
 
 
 class SelfAttention(nn.Module):
@@ -129,49 +128,7 @@ class TransformerBlock(nn.Module):
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
 
-def init_weights(
-    model: nn.Module, seed: int, residual_std: float | None = None, std: float = INIT_STD
-) -> None:
-    """Initialise every parameter of ``model`` in place, deterministically from ``seed``.
-
-    Linear and Embedding weights ~ N(0, std), biases 0, LayerNorm weight 1 and bias 0. With
-    ``residual_std``, the projections that write into the residual stream (``attention.out_proj``
-    and ``ffn.fc2``) use that std instead (GPT-2's scaled init). A parameter shared by several
-    modules (tied embeddings) is initialised once, by the first module that owns it. The random
-    numbers come from a generator on the parameters' device: the same seed gives the same
-    weights on the same kind of device.
-    """
-    first = next(model.parameters())
-    generator = torch.Generator(device=first.device).manual_seed(seed)
-    seen: set[int] = set()
-
-    def fresh(param: torch.Tensor | None) -> bool:
-        if param is None or id(param) in seen:
-            return False
-        seen.add(id(param))
-        return True
-
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                if fresh(module.weight):
-                    residual = name.endswith(("attention.out_proj", "ffn.fc2"))
-                    scale = residual_std if residual and residual_std is not None else std
-                    nn.init.normal_(module.weight, 0.0, scale, generator=generator)
-                bias = getattr(module, "bias", None)
-                if isinstance(bias, torch.Tensor) and fresh(bias):
-                    nn.init.zeros_(bias)
-            elif isinstance(module, nn.LayerNorm):
-                if fresh(module.weight):
-                    nn.init.ones_(module.weight)
-                if fresh(module.bias):
-                    nn.init.zeros_(module.bias)
-    left = [n for n, p in model.named_parameters() if id(p) not in seen]
-    if left:
-        raise TypeError(f"init_weights does not know how to initialise {left}")
-
-
-def gpt2_residual_std(num_layers: int, std: float = INIT_STD) -> float:
+def gpt2_residual_std(num_layers: int, std: float = 0.02) -> float:
     """GPT-2's init for the residual output projections: std / sqrt(2 * layers) (two residual
     additions per block)."""
     return std / math.sqrt(2 * num_layers)

@@ -9,7 +9,9 @@ user code, and a subclass overrides only what it changes:
 - ``build_data``: ``--data-dir`` / ``--data-name`` loaded with ``datasets``
   (:mod:`rapidformer.data.finetune_data`), tokenized to at most ``--seq-length`` tokens
   (default 128) by the task (:mod:`rapidformer.templates.tasks`);
-- ``train_step`` / ``eval_step``: the task's loss (and, when evaluating, its statistics);
+- the step, split for pipelines: ``model_inputs`` (the task's keyword inputs), ``compute_loss``
+  and ``batch_weight`` (samples, or tokens for the token-level tasks); ``eval_step`` adds the
+  task's statistics;
 - ``compute_metrics``: the task's metrics over every rank's share of the validation split.
 
 ``fit()`` trains by ``--epochs`` or ``--train-iters`` (gradient accumulation from the batch
@@ -28,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +40,7 @@ from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.distributed import process_group
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.logging import log
+from rapidformer.state import ModelInputs, call_model
 from rapidformer.templates.tasks import TASKS, Features, Task, canonical_task, task_for
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
@@ -139,7 +143,7 @@ class Finetuner(Trainer):
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
-        violations = []
+        violations = super().config_violations(config)
         task = cls.task_name or config.training.task
         if task is None or canonical_task(task) not in TASKS:
             violations.append(
@@ -236,19 +240,27 @@ class Finetuner(Trainer):
         )
         return self.data
 
-    def train_step(self, batch: Any) -> StepOutput:
-        assert self.model is not None
-        return self.task.step(self.model, batch, evaluate=False)
+    def model_inputs(self, batch: Any) -> ModelInputs:
+        """The task's keyword inputs of the model (token ids, masks; seq2seq: the labels)."""
+        return self.task.inputs(batch)
+
+    def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        return self.task.loss(outputs, batch)
+
+    def batch_weight(self, batch: Any) -> int | torch.Tensor:
+        return self.task.weight(batch)
 
     def eval_step(self, batch: Any) -> StepOutput:
         assert self.model is not None
-        return self.task.step(self.model, batch, evaluate=True)
+        outputs = call_model(self.model, self.model_inputs(batch))
+        loss = self.compute_loss(outputs, batch)
+        return {"loss": loss, **self.task.statistics(outputs, batch, loss)}
 
     def compute_metrics(self, outputs: list[Mapping[str, Any]]) -> dict[str, float]:
         # Every rank calls this (it all-reduces), even one that held no validation batch.
         valid = self.data.valid if self.data is not None else None
         features = valid if isinstance(valid, Features) else None
-        return self.task.metrics(outputs, features, self.device)
+        return self.task.metrics(outputs, features, self.device, self.engine.mesh.group("dp"))
 
     # ---- the task and the result ---------------------------------------------------------
     @property

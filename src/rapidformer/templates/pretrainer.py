@@ -9,7 +9,9 @@ with no user code, and a subclass overrides only what it changes:
   tokenizer's vocabulary, initialised on the meta device and materialised;
 - ``build_data``: ``--data-path`` (one prefix or a weighted blend) split by ``--split`` into
   train / valid / test documents; train holds ``--train-iters`` x global batch samples;
-- ``train_step``: next-token loss (GPT) or masked-LM plus sentence-order loss (BERT);
+- the step, split for pipelines: ``model_inputs`` (token ids, and for BERT token types and the
+  padding mask) and ``compute_loss``: next-token loss (GPT) or masked-LM plus sentence-order
+  loss (BERT); ``batch_weight``: the tokens those losses average over;
 - ``compute_metrics``: masked-LM accuracy for BERT.
 
 Pretraining is iteration-based (``--train-iters``), as in Megatron.
@@ -34,11 +36,11 @@ from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.distributed import process_group
-from rapidformer.distributed.dims import ParallelDims
 from rapidformer.errors import Violation
 from rapidformer.logging import log
 from rapidformer.models.bert import BertConfig, BertModel
 from rapidformer.models.gpt import GPTConfig, GPTModel
+from rapidformer.state import ModelInputs, call_model
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 SPLITS = ("train", "valid", "test")
@@ -49,8 +51,11 @@ def model_family(config: RapidformerConfig) -> str:
     return "gpt" if config.data.tokenizer_type == "GPT2BPETokenizer" else "bert"
 
 
-def build_pretraining_model(config: RapidformerConfig, vocab_size: int) -> GPTModel | BertModel:
-    """The built-in model the flags describe, initialised from --seed on the meta device."""
+def build_pretraining_model(
+    config: RapidformerConfig, vocab_size: int, device: str = "cpu"
+) -> GPTModel | BertModel:
+    """The built-in model the flags describe, initialised from --seed (left uninitialised on
+    the meta device for ``device="meta"``: the engine initialises it once parallelised)."""
     model = config.model
     assert model.num_layers and model.hidden_size and model.num_attention_heads
     assert model.seq_length is not None
@@ -64,7 +69,7 @@ def build_pretraining_model(config: RapidformerConfig, vocab_size: int) -> GPTMo
             max_position_embeddings=positions,
             dropout=model.hidden_dropout,
         )
-        return GPTModel.build(gpt, seed=config.training.seed)
+        return GPTModel.build(gpt, device=device, seed=config.training.seed)
     bert = BertConfig(
         vocab_size=vocab_size,
         num_layers=model.num_layers,
@@ -73,7 +78,7 @@ def build_pretraining_model(config: RapidformerConfig, vocab_size: int) -> GPTMo
         max_position_embeddings=positions,
         dropout=model.hidden_dropout,
     )
-    return BertModel.build(bert, seed=config.training.seed)
+    return BertModel.build(bert, device=device, seed=config.training.seed)
 
 
 class Pretrainer(Trainer):
@@ -90,7 +95,8 @@ class Pretrainer(Trainer):
             "--hidden-size": config.model.hidden_size,
             "--num-attention-heads": config.model.num_attention_heads,
         }
-        violations = [
+        violations = super().config_violations(config)
+        violations += [
             Violation(flag, None, "pretraining needs it", f"pass {flag}")
             for flag, value in required.items()
             if value is None
@@ -126,7 +132,7 @@ class Pretrainer(Trainer):
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        model = build_pretraining_model(self.config, self.tokenizer.vocab_size)
+        model = build_pretraining_model(self.config, self.tokenizer.vocab_size, device="meta")
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
@@ -139,8 +145,9 @@ class Pretrainer(Trainer):
 
     def build_data(self) -> DataBundle:
         cfg = self.config
-        dims: ParallelDims = self.engine.dims
-        global_batch = dims.global_batch_size(cfg)
+        global_batch = self.engine.dims.global_batch_size(
+            cfg.data.micro_batch_size, cfg.data.global_batch_size
+        )
         assert cfg.training.train_iters is not None
         eval_batches = cfg.training.eval_iters
         evaluations = cfg.training.train_iters // (cfg.training.eval_interval or 10**12) + 1
@@ -160,27 +167,43 @@ class Pretrainer(Trainer):
             collate_fn=self._collate(),
         )
 
-    def train_step(self, batch: Any) -> StepOutput:
-        assert self.model is not None
+    def model_inputs(self, batch: Any) -> ModelInputs:
         if self.family == "gpt":
-            logits = self.model(batch["input_ids"])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-            return {"loss": loss, "num_tokens": batch["labels"].numel()}
-        mlm_logits, sop_logits = self.model(
-            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
-        )
-        labels = batch["mlm_labels"]
+            return (batch["input_ids"],)
+        return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+
+    def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """Next-token loss (GPT), or masked-LM plus sentence-order loss (BERT)."""
+        if self.family == "gpt":
+            return F.cross_entropy(outputs.float().flatten(0, 1), batch["labels"].flatten())
+        mlm_logits, sop_logits = outputs
         mlm_loss = F.cross_entropy(
-            mlm_logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+            mlm_logits.float().flatten(0, 1),
+            batch["mlm_labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
         )
-        sop_loss = F.cross_entropy(sop_logits.float(), batch["sop_label"])
+        return mlm_loss + F.cross_entropy(sop_logits.float(), batch["sop_label"])
+
+    def batch_weight(self, batch: Any) -> int | torch.Tensor:
+        """Tokens: every predicted token (GPT), the masked ones (BERT: the MLM term dominates;
+        the sentence-order term rides along per sample)."""
+        if self.family == "gpt":
+            return int(batch["labels"].numel())
+        return (batch["mlm_labels"] != IGNORE_INDEX).sum()
+
+    def eval_step(self, batch: Any) -> StepOutput:
+        assert self.model is not None
+        outputs = call_model(self.model, self.model_inputs(batch))
+        loss = self.compute_loss(outputs, batch)
+        if self.family == "gpt":
+            return {"loss": loss}
+        mlm_logits, sop_logits = outputs
+        labels = batch["mlm_labels"]
         predicted = labels != IGNORE_INDEX
-        correct = (mlm_logits.argmax(-1) == labels) & predicted
-        # Weighted by masked tokens, as the MLM term dominates; SOP rides along per sample.
         return {
-            "loss": mlm_loss + sop_loss,
+            "loss": loss,
             "num_tokens": predicted.sum(),
-            "mlm_correct": correct.sum(),
+            "mlm_correct": ((mlm_logits.argmax(-1) == labels) & predicted).sum(),
             "sop_correct": (sop_logits.argmax(-1) == batch["sop_label"]).sum(),
             "samples": torch.tensor(labels.shape[0]),
         }
@@ -189,8 +212,9 @@ class Pretrainer(Trainer):
         if self.family != "bert":
             return {}
         # Every rank sums, even one without validation batches: the all-reduce must not hang.
+        group = self.engine.mesh.group("dp")
         mlm_correct, masked, sop_correct, samples = (
-            float(process_group.sum_over_ranks(outputs, key, self.device))
+            float(process_group.sum_over_ranks(outputs, key, self.device, group))
             for key in ("mlm_correct", "num_tokens", "sop_correct", "samples")
         )
         return {

@@ -1,7 +1,12 @@
 """The Trainer template: override a few hooks, get the whole accelerated loop.
 
-Subclass :class:`Trainer` and implement ``build_model``, ``build_data`` and ``train_step``;
-optionally ``build_optimizer``, ``build_lr_scheduler``, ``eval_step`` and ``compute_metrics``.
+Subclass :class:`Trainer` and implement ``build_model`` and ``build_data``, and the step: either
+``train_step(batch) -> loss``, or its split form ``model_inputs(batch)`` (what the model's
+forward takes) and ``compute_loss(outputs, batch)``, which a pipeline needs (its first stage
+sees only the inputs, its last computes the loss). Optionally ``batch_weight`` (samples or
+tokens a micro-batch's loss averages over; default samples), ``build_optimizer``,
+``build_lr_scheduler``, ``eval_step`` and ``compute_metrics``.
+
 ``fit()`` composes the accelerations the config enables, resumes from the last checkpoint,
 trains for ``--train-iters`` steps or ``--epochs`` passes, evaluates, logs and saves.
 Hooks never read acceleration flags: the same hooks run under DDP, fp16 or checkpointing.
@@ -10,35 +15,37 @@ Hooks never read acceleration flags: the same hooks run under DDP, fp16 or check
 from __future__ import annotations
 
 import contextlib
-import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from rapidformer.accel.sharding import is_fsdp
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.schema import RapidformerConfig
 from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
-from rapidformer.engine.state import TrainState
-from rapidformer.errors import CheckpointError, DataError, Violation
+from rapidformer.errors import CheckpointError, DataError, HookError, Violation
 from rapidformer.logging import MetricsLogger, log
 from rapidformer.schedules import build_lr_scheduler
+from rapidformer.state import ModelInputs, StepFunctions, TrainState, call_model
+from rapidformer.templates.batches import (
+    StepOutput,
+    batch_size,
+    batch_tokens,
+    loss_of,
+    move_to_device,
+    seed_everything,
+)
 
-if TYPE_CHECKING:
-    from rapidformer.accel.onnxruntime import OrtTrainStep
-
-StepOutput = torch.Tensor | Mapping[str, Any]
+__all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Trainer(ABC):
     def __init__(
         self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
     ) -> None:
+        _check_step_hooks(type(self))
         self.config = config if config is not None else parse_args(argv)
         # A subclass that builds its own optimizer does not need --lr.
         builds_optimizer = type(self).build_optimizer is Trainer.build_optimizer
@@ -79,31 +87,60 @@ class Trainer(ABC):
         self.device = self.engine.device
         self.model: nn.Module | None = None
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
-        self._ort_step: OrtTrainStep | None = None
-        """--onnx-runtime-training: runs train_step's forward and backward in ONNX Runtime."""
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
         """Rules this template adds to the general ones (reported with them, all at once)."""
+        pipeline = config.parallel.pipeline_model_parallel_size
+        if pipeline > 1 and not _has_split_step(cls):
+            return [
+                Violation(
+                    "--pipeline-model-parallel-size",
+                    pipeline,
+                    f"a pipeline runs the model in stages, so {cls.__name__}'s step must come "
+                    "split: its first stage sees only the model's inputs, its last computes the "
+                    "loss; a train_step(batch) cannot be cut",
+                    f"override model_inputs(batch) and compute_loss(outputs, batch) in "
+                    f"{cls.__name__} instead of train_step (Pretrainer and Finetuner do)",
+                )
+            ]
         return []
 
     # ---- hooks ---------------------------------------------------------------------------
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """Return the model to train (on the CPU; the engine moves it)."""
+        """Return the model to train (on the CPU or the meta device; the engine places it)."""
 
     @abstractmethod
     def build_data(self) -> DataBundle:
         """Return the train / valid / test datasets and their collate function."""
 
-    @abstractmethod
     def train_step(self, batch: Any) -> StepOutput:
-        """Compute the mean loss of one micro-batch with ``self.model``. Return the loss, or a
-        dict with ``loss`` and optionally ``num_tokens`` (then micro-batches are weighted by
-        tokens, not samples, when gradients accumulate)."""
+        """The mean loss of one micro-batch, computed with ``self.model``: by default
+        ``compute_loss(self.model(*model_inputs(batch)), batch)``. Return the loss, or a dict
+        with ``loss``."""
+        assert self.model is not None
+        return self.compute_loss(call_model(self.model, self.model_inputs(batch)), batch)
+
+    def model_inputs(self, batch: Any) -> ModelInputs:
+        """What the model's forward takes for ``batch``: a tuple of positional arguments or a
+        dict of keyword arguments (the split step; see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement model_inputs")
+
+    def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """The mean loss of ``batch`` from the model's ``outputs`` (the split step)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement compute_loss")
+
+    def batch_weight(self, batch: Any) -> int | torch.Tensor:
+        """How many units (samples or tokens) the micro-batch's mean loss averages over, from
+        the batch alone: it is called before any forward of the step, so that accumulation
+        weights every micro-batch exactly. Default: its samples. Return the token count
+        (e.g. ``(batch["labels"] != -100).sum()``) for a loss averaged over tokens."""
+        return batch_size(batch)
 
     def build_optimizer(self, model: nn.Module) -> Optimizer | None:
-        """Return an optimizer, or None for the one ``--optimizers`` names."""
+        """Return an optimizer over ``model`` (already sharded and materialised when this is
+        called), or None for the one ``--optimizers`` names."""
         return None
 
     def build_lr_scheduler(self, optimizer: Optimizer, total_steps: int) -> LRScheduler:
@@ -129,18 +166,12 @@ class Trainer(ABC):
         total_steps = self._total_steps(train_loader)
         state = engine.compose(
             model,
-            self.build_optimizer(model),
-            train_loader,
-            valid_loader,
-            lambda optimizer: self.build_lr_scheduler(optimizer, total_steps),
+            train_dataloader=train_loader,
+            eval_dataloader=valid_loader,
+            lr_scheduler_fn=lambda optimizer: self.build_lr_scheduler(optimizer, total_steps),
+            optimizer_fn=self.build_optimizer,
         )
         self.model = state.model
-        if cfg.graph.onnx_runtime_training:
-            from rapidformer.accel.onnxruntime import apply_onnxruntime
-
-            self._ort_step = apply_onnxruntime(
-                self, state, seed=cfg.training.seed, log_plan=engine.is_main_process
-            )
         progress = self._resume(state)
         logger = MetricsLogger(
             enabled=engine.is_main_process,
@@ -150,22 +181,15 @@ class Trainer(ABC):
             device=self.device,
             start_step=progress.step,
         )
+        step = self.step_functions()
         metrics: dict[str, float] = {}
         state.model.train()  # evaluate() switches to eval mode and back
         for group in self._step_batches(state, progress, total_steps):
-            result, samples, tokens = self._train_one_step(group)
+            batches = [move_to_device(batch, self.device) for batch in group]
+            result = engine.run_step(batches, step)
             progress.step += 1
             metrics = {"train_loss": result.loss}
-            dp = engine.dims.dp  # equal shares per rank: global counts are dp x local ones
-            logger.step(
-                progress.step,
-                loss=result.loss,
-                lr=result.lr,
-                grad_norm=result.grad_norm,
-                samples=samples * dp,
-                tokens=tokens * dp,
-                skipped=result.skipped,
-            )
+            self._log_step(logger, progress.step, result, batches)
             last_step = progress.step == total_steps
             if valid_loader is not None and (
                 last_step or _due(progress.step, cfg.training.eval_interval)
@@ -176,40 +200,66 @@ class Trainer(ABC):
             if cfg.checkpoint.save and (
                 last_step or _due(progress.step, cfg.checkpoint.save_interval)
             ):
-                record = {**asdict(progress), "config": cfg.to_dict(), "dp": engine.dims.dp}
+                record = {**asdict(progress), "config": cfg.to_dict()}
                 save_checkpoint(cfg.checkpoint.save, progress.step, state, record)
         logger.close()
-        if self._ort_step is not None:
-            self._ort_step.close()  # ORT's graphs and parameter copies, and their files
+        state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
         return metrics
 
-    def _train_one_step(self, group: list[Any]) -> tuple[StepResult, int, torch.Tensor | int]:
-        """Forward and backward every micro-batch of one step, then step the optimizer."""
-        samples = 0
+    def step_functions(self) -> StepFunctions:
+        """The micro-step the engine runs: this Trainer's hooks (the split form too when it
+        has one, for pipelines)."""
+        split = _has_split_step(type(self))
+        return StepFunctions(
+            train_step=self._train_loss,
+            weight=self.batch_weight,
+            model_inputs=self.model_inputs if split else None,
+            loss=self.compute_loss if split else None,
+        )
+
+    def _train_loss(self, batch: Any) -> torch.Tensor:
+        output = self.train_step(batch)
+        if (
+            isinstance(output, Mapping)
+            and "num_tokens" in output
+            and type(self).batch_weight is Trainer.batch_weight
+        ):
+            raise HookError(
+                f"{type(self).__name__}.train_step returned num_tokens to weight micro-batches "
+                "by tokens; the weights are now counted before the forward (so accumulation is "
+                "exact without rescaling gradients afterwards): override batch_weight(batch) "
+                "to return the token count, e.g. (batch['labels'] != -100).sum(), and drop "
+                "num_tokens from train_step's output"
+            )
+        return loss_of(output, "train_step")
+
+    def _log_step(
+        self, logger: MetricsLogger, step: int, result: StepResult, batches: list[Any]
+    ) -> None:
+        dp = self.engine.dims.dp  # equal shares per rank: global counts are dp x local ones
         tokens: torch.Tensor | int = 0
-        train_step = self._ort_step or self.train_step
-        for index, batch in enumerate(group):
-            # Declared before the forward: under DDP that is when the all-reduce is decided.
-            self.engine.begin_micro_step(last=index == len(group) - 1)
-            loss, num_tokens = _loss_and_tokens(train_step(move_to_device(batch, self.device)))
-            size = batch_size(batch)
-            samples += size
-            tokens = tokens + (num_tokens if num_tokens is not None else 0)  # no host sync here
-            self.engine.backward(loss, weight=num_tokens if num_tokens is not None else size)
-        if self._ort_step is not None:
-            self._ort_step.sync_gradients()  # what DDP's backward does in eager mode
-        result = self.engine.step()
-        assert result is not None, "the last micro-batch was declared, so the step must run"
-        return result, samples, tokens
+        for batch in batches:
+            tokens = tokens + batch_tokens(batch)  # on the device: no host sync here
+        logger.step(
+            step,
+            loss=result.loss,
+            lr=result.lr,
+            grad_norm=result.grad_norm,
+            samples=sum(batch_size(batch) for batch in batches) * dp,
+            tokens=tokens * dp,
+            skipped=result.skipped,
+        )
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Mean eval loss over this rank's share of the validation set, summed over ranks,
-        plus ``compute_metrics``. Runs the unwrapped model. Ranks may hold different numbers of
-        batches; when the model's forward is itself a collective (FSDP2 and DeepSpeed ZeRO-3
-        gather parameters), a rank that runs out repeats forwards whose outputs it discards,
-        until every rank has run as many as the rank with the most."""
+        """Mean eval loss (weighted by ``batch_weight``) over this rank's share of the
+        validation set, summed over the data-parallel ranks, plus ``compute_metrics``. Runs the
+        unwrapped model. Ranks may hold different numbers of batches; when the model's forward
+        is itself a collective (FSDP2 and DeepSpeed ZeRO-3 gather parameters), a rank that runs
+        out repeats forwards whose outputs it discards, until every rank has run as many as the
+        rank with the most."""
         loader = state.eval_dataloader
         assert loader is not None
+        dp_group = state.mesh.group("dp")
         training_model = self.model
         self.model = state.unwrapped_model
         self.model.eval()
@@ -217,9 +267,8 @@ class Trainer(ABC):
         outputs: list[Mapping[str, Any]] = []
         limit = self.config.training.eval_iters
         count = len(loader) if limit is None else min(len(loader), limit)
-        lockstep = _forward_is_collective(state)
-        if lockstep:
-            count = process_group.all_reduce_max(count)
+        if state.forward_backward.forward_is_collective(state):
+            count = process_group.all_reduce_max(count, dp_group, self.device)
         try:
             with torch.no_grad(), _autocast(state):
                 batches = iter(loader)
@@ -228,20 +277,18 @@ class Trainer(ABC):
                     if batch is None:  # lockstep only: this rank's share is done
                         self.eval_step(move_to_device(_filler_batch(loader), self.device))
                         continue
-                    output = self.eval_step(move_to_device(batch, self.device))
-                    loss, num_tokens = _loss_and_tokens(output)
-                    weight = float(num_tokens) if num_tokens is not None else batch_size(batch)
-                    totals += torch.stack(
-                        [
-                            torch.tensor(float(weight), device=self.device),
-                            loss.detach().float() * weight,
-                        ]
+                    batch = move_to_device(batch, self.device)
+                    output = self.eval_step(batch)
+                    weight = torch.as_tensor(
+                        self.batch_weight(batch), dtype=torch.float32, device=self.device
                     )
+                    loss = loss_of(output, "eval_step").detach().float()
+                    totals += torch.stack([weight, loss * weight])
                     outputs.append(output if isinstance(output, Mapping) else {"loss": output})
         finally:
             self.model = training_model
             state.model.train()
-        process_group.all_reduce_sum(totals)
+        process_group.all_reduce_sum(totals, dp_group)
         weight_sum, loss_sum = totals.tolist()
         return {"eval_loss": loss_sum / max(weight_sum, 1e-12), **self.compute_metrics(outputs)}
 
@@ -290,7 +337,8 @@ class Trainer(ABC):
         micro-batch size starts after the same samples if the count divides evenly."""
         micro, dp = self.config.data.micro_batch_size, self.engine.dims.dp
         saved_micro = saved.get("config", {}).get("data", {}).get("micro_batch_size", micro)
-        samples = saved["consumed"] * saved_micro * saved.get("dp", dp)
+        saved_dp = saved.get("parallel", {}).get("dp", saved.get("dp", dp))
+        samples = saved["consumed"] * saved_micro * saved_dp
         if samples % (micro * dp):
             raise CheckpointError(
                 f"the checkpoint's {samples} samples consumed in its epoch do not split into "
@@ -333,55 +381,26 @@ class Trainer(ABC):
             progress.consumed = 0
 
 
-def _forward_is_collective(state: TrainState) -> bool:
-    """Whether a forward of the unwrapped model all-gathers parameters across ranks."""
-    if not process_group.is_distributed():
-        return False
-    if state.deepspeed is not None:
-        return bool(state.deepspeed.zero_optimization_stage() == 3)
-    return is_fsdp(state.unwrapped_model)
+def _has_split_step(cls: type[Trainer]) -> bool:
+    """Whether ``cls`` runs its step in the split form: both split hooks, no own train_step."""
+    return (
+        cls.train_step is Trainer.train_step
+        and cls.model_inputs is not Trainer.model_inputs
+        and cls.compute_loss is not Trainer.compute_loss
+    )
+
+
+def _check_step_hooks(cls: type[Trainer]) -> None:
+    if cls.train_step is Trainer.train_step and not _has_split_step(cls):
+        raise HookError(
+            f"{cls.__name__} has no step: implement train_step(batch) -> loss, or "
+            "model_inputs(batch) and compute_loss(outputs, batch)"
+        )
 
 
 def _filler_batch(loader: DataLoader) -> Any:
     """A batch of the validation set's first sample, for forwards a rank only joins."""
     return loader.collate_fn([loader.dataset[0]])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: move_to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(move_to_device(value, device) for value in batch)
-    return batch
-
-
-def batch_size(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    for value in values:
-        if isinstance(value, torch.Tensor | Mapping | list | tuple):
-            return batch_size(value)
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
-
-
-def _loss_and_tokens(output: StepOutput) -> tuple[torch.Tensor, torch.Tensor | int | None]:
-    if isinstance(output, torch.Tensor):
-        return output, None
-    if "loss" not in output:
-        raise TypeError(
-            f"train_step/eval_step returned a dict without 'loss' (keys: {list(output)})"
-        )
-    return output["loss"], output.get("num_tokens")
 
 
 def _due(step: int, interval: int | None) -> bool:

@@ -4,12 +4,19 @@ models (BERT, GPT-2, T5) with fine-tuning datasets they can learn, all built off
 
 from rapidformer.testing.finetune import task_dataset, tiny_model
 from rapidformer.testing.launch import run_distributed
-from rapidformer.testing.tiny import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing.tiny import (
+    MarkovLMDataset,
+    TinyTransformerLM,
+    lm_loss,
+    lm_tokens,
+    pad_collate,
+)
 
 __all__ = [
     "MarkovLMDataset",
     "TinyTransformerLM",
     "lm_loss",
+    "lm_tokens",
     "pad_collate",
     "run_distributed",
     "task_dataset",

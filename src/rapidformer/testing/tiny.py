@@ -120,6 +120,12 @@ def pad_collate(
     return {"input_ids": input_ids, "labels": labels}
 
 
+def lm_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The real (unpadded) tokens of a batch: what :func:`lm_loss` averages over, countable
+    before the forward (a Trainer's ``batch_weight``)."""
+    return (batch["labels"] != IGNORE_INDEX).sum()
+
+
 def lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Mean next-token loss over the real (unpadded) tokens, and their count."""
     logits = model(batch["input_ids"])
@@ -127,4 +133,4 @@ def lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, to
     loss = F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
     )
-    return {"loss": loss, "num_tokens": (labels != IGNORE_INDEX).sum()}
+    return {"loss": loss, "num_tokens": lm_tokens(batch)}

@@ -1,0 +1,217 @@
+"""Saving and resuming the whole training state, atomically.
+
+A checkpoint is a directory ``iter_NNNNNNN`` under ``--save`` holding the model and optimizer
+(in the run's format, see below), the LR scheduler and loss-scaler states, the trainer's
+progress (step, epoch, position in the epoch), the parallel layout (dp/tp/pp/ep), the plan and
+config, and one RNG-state file per rank. It is written into a temporary directory and renamed
+into place; the ``latest`` pointer is replaced last. A crash at any moment therefore leaves
+either the previous checkpoint or the new one, never half of one.
+
+How model and optimizer are written is the run's checkpoint format
+(:class:`rapidformer.state.CheckpointFormat`): ``state.checkpoint_format`` when an engine brings
+its own (DeepSpeed), else the native one for what the run holds
+(:func:`rapidformer.checkpoint.formats.native_format`: consolidated files, or DCP shards whenever
+a parameter is a DTensor or the model has several parts). The format's name is recorded, so a
+later run reads the checkpoint with the matching reader: native checkpoints load into any native
+layout and rank count; an engine's own format only into that engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from rapidformer.checkpoint.formats import (
+    NATIVE,
+    NATIVE_FORMATS,
+    SHARDED,
+    load_file,
+    native_format,
+    read_model_state,
+)
+from rapidformer.distributed import process_group
+from rapidformer.errors import CheckpointError
+from rapidformer.state import CheckpointFormat, TrainState
+
+LATEST = "latest"
+PROGRESS = "progress.json"
+
+__all__ = [
+    "LATEST",
+    "PROGRESS",
+    "consolidated_model_state",
+    "find_checkpoint",
+    "gathered_model_state",
+    "iteration_dir",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+
+def iteration_dir(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def format_of(state: TrainState) -> CheckpointFormat:
+    """The format this run writes."""
+    return state.checkpoint_format or native_format(state)
+
+
+def save_checkpoint(
+    save_dir: str | Path, step: int, state: TrainState, progress: dict[str, Any]
+) -> Path:
+    """Write a checkpoint of ``state`` at ``step``; every rank must call it."""
+    root = Path(save_dir)
+    final = root / iteration_dir(step)
+    staging = root / f".tmp-{iteration_dir(step)}"
+    rank = process_group.rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # debris of a crashed save
+        staging.mkdir()
+    process_group.barrier()
+    (staging / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
+    writer = format_of(state)
+    writer.save(state, staging)  # a collective: each rank writes what it holds
+    if rank == 0:
+        if state.lr_scheduler is not None:
+            torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
+        if state.grad_scaler is not None:
+            torch.save(state.grad_scaler.state_dict(), staging / "grad_scaler.pt")
+        record = dict(
+            progress,
+            **writer.record(state),
+            step=step,
+            format=writer.name,
+            parallel=state.mesh.dims.axes,
+            plan=[str(p) for p in state.plan],
+            world_size=process_group.world_size(),
+        )
+        (staging / PROGRESS).write_text(json.dumps(record, indent=2))
+    process_group.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(iteration_dir(step) + "\n")
+        os.replace(pointer, root / LATEST)  # the pointer moves only once the data is whole
+    process_group.barrier()
+    return final
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The checkpoint ``path`` points at: an ``iter_*`` directory, or a save directory's
+    ``latest``. None when ``path`` holds no checkpoint yet."""
+    path = Path(path)
+    if (path / PROGRESS).is_file():
+        return path
+    pointer = path / LATEST
+    if not pointer.is_file():
+        return None
+    target = path / pointer.read_text().strip()
+    if not (target / PROGRESS).is_file():
+        raise CheckpointError(
+            f"{pointer} points at {target}, which holds no {PROGRESS}; "
+            "the checkpoint is damaged: pass --load with an older iter_* dir"
+        )
+    return target
+
+
+def saved_format(path: Path, record: dict[str, Any]) -> str:
+    """The format a checkpoint was written in (older checkpoints did not record it)."""
+    name = record.get("format")
+    if isinstance(name, str):
+        return name
+    return "dcp" if (path / SHARDED).is_dir() else "consolidated"
+
+
+_BACKENDS = {"consolidated": "--zero-backend native", "dcp": "--zero-backend native"}
+"""How a user selects the engine behind a format, where the format is not DeepSpeed's."""
+
+
+def _backend(format_name: str) -> str:
+    return _BACKENDS.get(format_name, f"--zero-backend {format_name}")
+
+
+def _reader(path: Path, state: TrainState, record: dict[str, Any]) -> CheckpointFormat:
+    """Who reads this checkpoint into this run: native formats read each other's files; an
+    engine's own format only its own. Refused before anything is read."""
+    saved, running = saved_format(path, record), format_of(state)
+    if saved == running.name:
+        return running
+    if saved in NATIVE and running.name in NATIVE:
+        return NATIVE_FORMATS[saved]
+    fix = (
+        f"export it first (python -m rapidformer.export {path} OUT) and start from the "
+        "exported weights"
+    )
+    raise CheckpointError(
+        f"{path} was written by {_backend(saved)} and this run uses {_backend(running.name)}: "
+        f"resume it with {_backend(saved)}, or {fix}"
+    )
+
+
+def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
+    """Restore ``state`` (and this rank's RNG) from the checkpoint at ``path``; returns the
+    progress record saved with it."""
+    progress: dict[str, Any] = json.loads((path / PROGRESS).read_text())
+    reader = _reader(path, state, progress)
+    try:
+        reader.load(state, path, progress)
+        if state.lr_scheduler is not None:
+            state.lr_scheduler.load_state_dict(load_file(path / "lr_scheduler.pt"))
+        if state.grad_scaler is not None:
+            state.grad_scaler.load_state_dict(load_file(path / "grad_scaler.pt"))
+    # DCP's CheckpointException derives from BaseException: named so it cannot escape.
+    except (RuntimeError, KeyError, ValueError, OSError, CheckpointException) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot restore the checkpoint in {path}: {exc}") from exc
+    rng_file = path / "rng" / f"rank_{process_group.rank():05d}.pt"
+    if rng_file.is_file():
+        set_rng_state(load_file(rng_file))
+    else:  # resumed on more ranks than saved: new ranks get a fresh, still deterministic seed
+        torch.manual_seed(progress["step"] * 1000 + process_group.rank())
+    return progress
+
+
+def consolidated_model_state(path: Path) -> dict[str, Any]:
+    """The whole model state dict of the checkpoint at ``path``, read in this one process
+    whichever format and rank count wrote it."""
+    record = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).is_file() else {}
+    return read_model_state(path, saved_format(path, record))
+
+
+def gathered_model_state(state: TrainState) -> dict[str, Any] | None:
+    """The whole model state dict of a running job on rank 0 (None elsewhere), whatever holds
+    the shards; every rank must call it (FSDP2 and DeepSpeed gather collectively)."""
+    return format_of(state).gather_model(state)

@@ -1,0 +1,66 @@
+"""The one canonical order of accelerations, and every acceleration's validation rules.
+
+This is the only place where ordering lives. Each ``apply_*(state, config, mesh) -> state``
+returns the state unchanged when its switch is off (or another engine owns that job), so one
+order serves every combination; why each step sits where it does is written beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rapidformer.accel import compile as compile_rules
+from rapidformer.accel import deepspeed, onnxruntime, sharding
+from rapidformer.accel.checkpointing import apply_activation_checkpointing
+from rapidformer.accel.compile import apply_compile
+from rapidformer.accel.data import apply_data
+from rapidformer.accel.data_parallel import apply_data_parallel
+from rapidformer.accel.deepspeed import apply_deepspeed
+from rapidformer.accel.materialize import apply_materialize
+from rapidformer.accel.onnxruntime import apply_onnxruntime
+from rapidformer.accel.optimizers import apply_optimizer
+from rapidformer.accel.precision import apply_precision
+from rapidformer.accel.sharding import apply_optimizer_sharding, apply_sharding
+from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.validate import Rule
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.state import TrainState
+
+Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
+
+CANONICAL_ORDER: tuple[Apply, ...] = (
+    # Checkpointing patches the user's blocks, before anything wraps them.
+    apply_activation_checkpointing,
+    # Compile traces the checkpointed blocks (checkpoint becomes a recompute region in the
+    # graph); DDP / FSDP then wrap the compiled blocks, whose parameters are unchanged.
+    apply_compile,
+    # ONNX Runtime takes over forward and backward of the plain module; it must be decided
+    # before DDP, which then steps aside (the slot averages the gradients itself).
+    apply_onnxruntime,
+    # Sharding (FSDP2 for ZeRO-2/3) must see the final blocks and takes DDP's place. On a
+    # meta-device model it shards meta tensors: nothing is allocated yet.
+    apply_sharding,
+    # Now that what each rank holds is decided, allocate and initialise only that.
+    apply_materialize,
+    # DDP wraps the finished, materialised module (it broadcasts the first rank's values).
+    apply_data_parallel,
+    # The optimizer is built on the parameters that wrapping and sharding decided.
+    apply_optimizer,
+    # ZeRO-1/OSS re-partitions the optimizer just built (or supplied) over the ranks.
+    apply_optimizer_sharding,
+    # DeepSpeed takes the model and the optimizer just built, and owns data parallelism,
+    # sharding, precision, backward and the step from here on.
+    apply_deepspeed,
+    # Autocast wraps the outermost forward so DDP's hooks and the blocks all run under it.
+    apply_precision,
+    # Data comes last: the sampler needs the final data-parallel degree.
+    apply_data,
+)
+
+ACCELERATION_RULES: tuple[Rule, ...] = (
+    sharding.rules,
+    deepspeed.rules,
+    compile_rules.rules,
+    onnxruntime.rules,
+)
+"""Each acceleration's own rules (written next to its code), checked with the general ones."""

@@ -1,0 +1,70 @@
+"""Small things the templates do with batches and step outputs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+"""The label value every loss in rapidformer ignores (Hugging Face's convention)."""
+
+StepOutput = torch.Tensor | Mapping[str, Any]
+"""What ``train_step`` / ``eval_step`` return: the loss, or a dict with ``loss`` (and, for
+evaluation, the statistics ``compute_metrics`` reads)."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(move_to_device(value, device) for value in batch)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    for value in values:
+        if isinstance(value, torch.Tensor | Mapping | list | tuple):
+            return batch_size(value)
+    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}")
+
+
+def batch_tokens(batch: Any) -> torch.Tensor | int:
+    """Tokens a batch feeds the model, for throughput (on the batch's device, no host sync):
+    the real tokens of its ``attention_mask``, else its labels that are not ignored, else the
+    elements of its ``input_ids``; 0 for a batch that has none of them."""
+    if not isinstance(batch, Mapping):
+        return 0
+    if isinstance(batch.get("attention_mask"), torch.Tensor):
+        return batch["attention_mask"].sum()
+    if isinstance(batch.get("labels"), torch.Tensor):
+        return (batch["labels"] != IGNORE_INDEX).sum()
+    if isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    return 0
+
+
+def loss_of(output: StepOutput, hook: str) -> torch.Tensor:
+    """The loss in a step's output (a tensor, or a dict's ``loss``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if "loss" not in output:
+        raise TypeError(f"{hook} returned a dict without 'loss' (keys: {list(output)})")
+    loss = output["loss"]
+    assert isinstance(loss, torch.Tensor), f"{hook} returned a 'loss' that is not a tensor"
+    return loss
