@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.engine.validation import validate
 from rapidformer.errors import ConfigError, RapidformerError, Violation
 from rapidformer.logging import log, setup_console_logging

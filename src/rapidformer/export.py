@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.errors import CheckpointError
 from rapidformer.models.convert import export_hugging_face

@@ -8,7 +8,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 
 
 def warmup_steps(config: RapidformerConfig, total_steps: int) -> int:

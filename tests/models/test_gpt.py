@@ -103,9 +103,15 @@ def test_attention_splits_by_heads_as_the_tp_plan_says() -> None:
     torch.testing.assert_close(partial + full.out_proj.bias, full(x), rtol=0, atol=1e-6)
 
 
+ACROSS_SHAPES = 1e-6
+"""Logits of a padded length-12 forward against a length-8 one: different shapes run different
+kernel blockings (seen on an AMD EPYC with AVX-512: 226 of 800 logits off by up to 4.5e-8), so
+they agree to rounding, not bitwise."""
+
+
 def test_causal_and_right_padding() -> None:
     model = GPTModel.build(tiny(), seed=3).eval()
-    ids = torch.randint(0, 100, (1, 12))
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     changed = ids.clone()
     changed[0, 8:] = (changed[0, 8:] + 1) % 100
     padded = torch.cat([ids[:, :8], torch.zeros(1, 4, dtype=torch.long)], dim=1)
@@ -113,8 +119,10 @@ def test_causal_and_right_padding() -> None:
     with torch.no_grad():
         logits = model(ids)
         assert logits.shape == (1, 12, 100)
+        # Same shape, same computation for the first 8 positions: causal means bitwise equal.
         torch.testing.assert_close(model(changed)[:, :8], logits[:, :8], rtol=0, atol=0)
-        torch.testing.assert_close(model(padded, mask)[:, :8], model(ids[:, :8]), rtol=0, atol=0)
+        unpadded = model(ids[:, :8])
+        torch.testing.assert_close(model(padded, mask)[:, :8], unpadded, rtol=0, atol=ACROSS_SHAPES)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.zeros(1, 17, dtype=torch.long))
 

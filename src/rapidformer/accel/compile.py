@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from rapidformer.accel.checkpointing import find_blocks
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.data.dynamic_shape import bucket_lengths
 from rapidformer.distributed.mesh import ParallelMesh

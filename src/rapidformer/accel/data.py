@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.dynamic_shape import (
     BucketCollate,
     LengthGroupedSampler,

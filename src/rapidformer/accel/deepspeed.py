@@ -34,7 +34,7 @@ import torch
 from rapidformer.accel.deepspeed_state import DeepSpeedFormat, expected_state_bytes
 from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.sharding import sharding_mode
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
 from rapidformer.distributed.dims import ParallelDims

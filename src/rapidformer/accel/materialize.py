@@ -15,7 +15,7 @@ that arrives materialised passes through unchanged.
 
 from __future__ import annotations
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
 from rapidformer.memory import held_bytes

@@ -45,7 +45,7 @@ from torch import nn
 
 from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.onnx_export import OrtExporter, OrtSession, StepFn, flatten_batch
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from rapidformer.accel.lamb import Lamb
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
 from rapidformer.state import PlanStep, TrainState

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.state import PlanStep, TrainState
 

@@ -1,6 +1,7 @@
 """The typed configuration, its loaders and its validation."""
 
 from rapidformer.config.loading import build_parser, load_file, parse_args
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -12,7 +13,6 @@ from rapidformer.config.schema import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
-    RapidformerConfig,
     TrainingConfig,
 )
 

@@ -5,12 +5,14 @@ Every field is one command-line flag: the flag is the field name with ``-`` for 
 string under each field is its documentation; :mod:`rapidformer.config.fields` reads it to build
 the argument parser's help and ``docs/parameters.md``, so code, ``--help`` and docs cannot drift.
 
-Nothing here reads the environment or the world size: that is ``validate.py``'s job, at run time.
+A leaf: it imports nothing of rapidformer. The whole config, :class:`~rapidformer.config.root.
+RapidformerConfig`, holds one of each section (:mod:`rapidformer.config.root`). Nothing here
+reads the environment or the world size: that is the validation's job, at run time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 TokenizerType = Literal["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer"]
@@ -244,51 +246,6 @@ class LoggingConfig:
     """Log loss, learning rate, gradient norm, throughput and memory every this many steps."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class RapidformerConfig:
-    """Everything a run needs, one section per concern.
-
-    Build it from flags with :func:`rapidformer.parse_args`, from a dict or YAML with
-    :meth:`from_dict`, or directly: ``RapidformerConfig(data=DataConfig(micro_batch_size=8))``.
-    """
-
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    graph: GraphConfig = field(default_factory=GraphConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def to_dict(self) -> dict[str, dict[str, object]]:
-        """Nested plain dict ``{section: {field: value}}``; :meth:`from_dict` inverts it."""
-        from rapidformer.config.loading import config_to_dict
-
-        return config_to_dict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, object]) -> RapidformerConfig:
-        """Build from a nested dict (as :meth:`to_dict` writes) or a flat one keyed by field
-        or flag name (``micro_batch_size`` or ``micro-batch-size``)."""
-        from rapidformer.config.loading import config_from_dict
-
-        return config_from_dict(values)
-
-    def replace(self, **flat: object) -> RapidformerConfig:
-        """A copy with some fields changed, named flat: ``cfg.replace(micro_batch_size=4)``."""
-        from rapidformer.config.loading import config_from_dict
-
-        merged: dict[str, object] = {
-            name: value for section in self.to_dict().values() for name, value in section.items()
-        }
-        merged.update(flat)
-        return config_from_dict(merged)
-
-
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -302,4 +259,5 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
 }
-"""Section name in :class:`RapidformerConfig` -> its dataclass, in documentation order."""
+"""Section name in :class:`~rapidformer.config.root.RapidformerConfig` -> its dataclass, in
+documentation order."""

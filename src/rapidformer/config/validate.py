@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rapidformer.config.fields import all_fields
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError, Violation
 
 NOT_AVAILABLE: dict[str, str] = {

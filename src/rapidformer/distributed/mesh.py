@@ -65,6 +65,8 @@ class ParallelMesh:
             return self.device_mesh
         if axis == "dp" and self.dims.ep > 1 and self.size("edp") == 1:
             axis = "ep"  # every data-parallel rank holds different experts: the same group
+        if axis == "edp" and self.dims.ep == 1:
+            axis = "dp"  # without experts, every data-parallel rank is an expert replica
         return self.device_mesh[axis]
 
     def group(self, axis: Axis) -> dist.ProcessGroup | None:

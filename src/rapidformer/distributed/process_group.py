@@ -18,9 +18,6 @@ from rapidformer.config.env import LaunchEnv
 
 Group = dist.ProcessGroup | None
 
-_owned = False
-"""Whether rapidformer created the default process group (and so must destroy it)."""
-
 
 def pick_device(env: LaunchEnv) -> torch.device:
     """cuda:LOCAL_RANK when a GPU is present, else the CPU."""
@@ -34,20 +31,21 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(env: LaunchEnv, device: torch.device) -> None:
+def init_process_group(env: LaunchEnv, device: torch.device) -> bool:
     """Join the job's process group (nccl on GPUs, gloo on CPUs) when there is more than one
-    rank. The launcher's env:// variables say where the rendezvous is."""
-    global _owned
+    rank; returns whether this call created it. The launcher's env:// variables say where the
+    rendezvous is."""
     if dist.is_initialized() or env.world_size == 1:
-        return
+        return False
     dist.init_process_group(backend=_backend(device), rank=env.rank, world_size=env.world_size)
-    _owned = True
+    return True
 
 
 def ensure_process_group(device: torch.device) -> None:
     """A process group exists afterwards: on one process not launched by torchrun, a group of
-    one on an in-memory store (for engines that insist on a group, e.g. DeepSpeed)."""
-    global _owned
+    one on an in-memory store (for engines that insist on a group, e.g. DeepSpeed). That group
+    stays for the rest of the process: DeepSpeed caches groups it builds on it, which a later
+    engine in the same process (a notebook, a test session) reuses."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" in os.environ:
@@ -55,18 +53,16 @@ def ensure_process_group(device: torch.device) -> None:
         dist.init_process_group(_backend(device), rank=env.rank, world_size=env.world_size)
     else:
         dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
-    _owned = True
 
 
 def destroy_process_group() -> None:
-    """Leave the process group if rapidformer created it."""
-    global _owned
-    if _owned and dist.is_initialized():
-        # No rank tears the group down while another still uses it (rank 0 hosts the store).
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
-    _owned = False
+    """Leave the job's process group, once every rank is done with it (rank 0 hosts the store:
+    no rank may tear it down while another still uses it)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def is_distributed() -> bool:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.stepper import TorchStepper
 from rapidformer.config.env import LaunchEnv
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.engine.order import CANONICAL_ORDER
@@ -110,7 +110,7 @@ class RapidformerEngine:
         if env.rank == 0:
             setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
         self.device = process_group.pick_device(env)
-        process_group.init_process_group(env, self.device)
+        self._owns_process_group = process_group.init_process_group(env, self.device)
         self.mesh = ParallelMesh.build(self.dims, self.device.type)
         data = config.data
         self.accumulation_steps = self.dims.accumulation_steps(
@@ -266,12 +266,12 @@ class RapidformerEngine:
 
     def close(self) -> None:
         """Release what the forward-backward slot holds and leave the process group if this
-        engine's process created it."""
+        engine created it."""
         if self.state is not None:
-            close = getattr(self.state.forward_backward, "close", None)
-            if callable(close):
-                close()
-        process_group.destroy_process_group()
+            self.state.forward_backward.close()
+        if self._owns_process_group:
+            process_group.destroy_process_group()
+            self._owns_process_group = False
 
     def _require_state(self) -> TrainState:
         if self.state is None:

@@ -21,7 +21,7 @@ from rapidformer.accel.onnxruntime import apply_onnxruntime
 from rapidformer.accel.optimizers import apply_optimizer
 from rapidformer.accel.precision import apply_precision
 from rapidformer.accel.sharding import apply_optimizer_sharding, apply_sharding
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Rule
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.state import TrainState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import GENERAL_RULES, RunContext, check
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.engine.order import ACCELERATION_RULES

@@ -156,7 +156,8 @@ class StagedModel(nn.Module):
         keep = {str(layer) for layer in layers}
         unknown = keep - set(self.blocks)
         if unknown:
-            raise ValueError(f"no such layers {sorted(unknown, key=int)} in {list(self.blocks)}")
+            held = [int(name) for name in self.blocks]
+            raise ValueError(f"no such layers {sorted(int(n) for n in unknown)} in {held}")
         for name in [n for n in self.blocks if n not in keep]:
             del self.blocks[name]
         # A tied head that stays without its embedding keeps the shared Parameter object: it

@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.checkpoint import gathered_model_state
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.distributed import process_group
 from rapidformer.errors import ConfigError, Violation

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.bert_dataset import IGNORE_INDEX, BertDataset, bert_collate
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
 from rapidformer.data.gpt_dataset import GPTDataset

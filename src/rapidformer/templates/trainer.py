@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from rapidformer.config.loading import parse_args
-from rapidformer.config.schema import RapidformerConfig
+from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult

@@ -1,0 +1,165 @@
+"""The whole configuration, one section per concern, and its conversion to and from dicts.
+
+:class:`RapidformerConfig` holds one frozen dataclass of :mod:`rapidformer.config.schema` per
+section. ``from_dict`` accepts nested (``{section: {field: value}}``) or flat dicts keyed by
+field or flag name, checks every name and type and reports every problem at once; ``to_dict``
+writes the nested form back (checkpoints store it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from rapidformer.config.fields import FieldSpec, all_fields, fields_by_name
+from rapidformer.config.schema import (
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    GraphConfig,
+    LoggingConfig,
+    MemoryConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainingConfig,
+)
+from rapidformer.errors import ConfigError, Violation
+
+
+@dataclass(frozen=True, kw_only=True)
+class RapidformerConfig:
+    """Everything a run needs, one section per concern.
+
+    Build it from flags with :func:`rapidformer.parse_args`, from a dict or YAML with
+    :meth:`from_dict`, or directly: ``RapidformerConfig(data=DataConfig(micro_batch_size=8))``.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, object]]:
+        """Nested plain dict ``{section: {field: value}}``; :meth:`from_dict` inverts it."""
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> RapidformerConfig:
+        """Build from a nested dict (as :meth:`to_dict` writes) or a flat one keyed by field
+        or flag name (``micro_batch_size`` or ``micro-batch-size``)."""
+        return config_from_dict(values)
+
+    def replace(self, **flat: object) -> RapidformerConfig:
+        """A copy with some fields changed, named flat: ``cfg.replace(micro_batch_size=4)``."""
+        merged: dict[str, object] = {
+            name: value for section in self.to_dict().values() for name, value in section.items()
+        }
+        merged.update(flat)
+        return config_from_dict(merged)
+
+
+def config_to_dict(config: RapidformerConfig) -> dict[str, dict[str, object]]:
+    """``{section: {field: value}}`` with plain Python values."""
+    return {
+        section: {spec.name: getattr(getattr(config, section), spec.name) for spec in specs}
+        for section, specs in _by_section().items()
+    }
+
+
+def config_from_dict(values: dict[str, object]) -> RapidformerConfig:
+    """Build a config from a nested or flat dict, checking names and types; reports every
+    unknown key and badly typed value at once."""
+    flat = flatten(values)
+    violations: list[Violation] = []
+    per_section: dict[str, dict[str, object]] = {section: {} for section in SECTIONS}
+    table = fields_by_name()
+    for key, raw in flat.items():
+        spec = table.get(key)
+        if spec is None:
+            violations.append(_unknown_key(key))
+            continue
+        try:
+            per_section[spec.section][spec.name] = _coerce(spec, raw)
+        except ValueError as exc:
+            violations.append(Violation(spec.flag, raw, str(exc), _type_fix(spec)))
+    if violations:
+        raise ConfigError(violations)
+    return RapidformerConfig(
+        **{section: cls(**per_section[section]) for section, cls in SECTIONS.items()}
+    )
+
+
+def flatten(values: dict[str, object]) -> dict[str, object]:
+    """Accept both ``{data: {micro_batch_size: 2}}`` and ``{micro-batch-size: 2}``."""
+    flat: dict[str, object] = {}
+    for key, value in values.items():
+        key = str(key).lstrip("-")
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update({str(k).lstrip("-"): v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def _coerce(spec: FieldSpec, raw: object) -> object:
+    if raw is None:
+        if spec.optional:
+            return None
+        raise ValueError("must not be null")
+    if spec.kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+        raise ValueError("must be true or false")
+    if spec.kind is int:
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise ValueError("must be an integer")
+        try:
+            value: object = int(raw)  # a str like "8" from a file is fine
+        except ValueError:
+            raise ValueError("must be an integer") from None
+    elif spec.kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise ValueError("must be a number")
+        try:
+            value = float(raw)  # YAML reads 1e-4 (no dot) as a string
+        except ValueError:
+            raise ValueError("must be a number") from None
+    else:
+        if not isinstance(raw, str):
+            raise ValueError("must be a string")
+        value = raw
+    if spec.choices is not None and value not in spec.choices:
+        raise ValueError(f"must be one of {', '.join(spec.choices)}")
+    return value
+
+
+def _type_fix(spec: FieldSpec) -> str:
+    if spec.choices:
+        return f"use one of: {', '.join(spec.choices)}"
+    return f"give a {spec.kind.__name__} value"
+
+
+def _unknown_key(key: str) -> Violation:
+    names = sorted({spec.name.replace("_", "-") for spec in all_fields()})
+    close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
+    fix = f"did you mean --{close[0]}?" if close else "see docs/parameters.md for every flag"
+    return Violation("--" + key.replace("_", "-"), key, "no such flag", fix)
+
+
+def _by_section() -> dict[str, list[FieldSpec]]:
+    grouped: dict[str, list[FieldSpec]] = {section: [] for section in SECTIONS}
+    for spec in all_fields():
+        grouped[spec.section].append(spec)
+    return grouped
