@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,9 +40,36 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+MATMUL_ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+"""CPU features that decide how fast fp32 / bf16 / fp16 matrix work runs (numbers from one
+x86 machine do not carry over to another without them)."""
+
+
+def lscpu() -> dict[str, Any]:
+    """The CPU model as lscpu names it (vendor, family, model) and its matrix features."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in text.splitlines())
+        if value
+    )
+    flags = set(fields.get("Flags", "").split())
+    return {
+        "model": fields.get("Model name", cpu_name()),
+        "vendor": fields.get("Vendor ID"),
+        "family": fields.get("CPU family"),
+        "model_number": fields.get("Model"),
+        "matmul_isa": [flag for flag in MATMUL_ISA if flag in flags],
+    }
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "cpu": cpu_name(),
+        "lscpu": lscpu(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -65,7 +93,13 @@ def stamp(result: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[
 
 def footer(result: dict[str, Any]) -> list[str]:
     machine = result["machine"]
-    device = machine["cuda"] or f"{machine['cpu_count']} CPU cores ({machine['cpu']})"
+    cpu = machine.get("lscpu") or {}
+    described = machine["cpu"]
+    if cpu:
+        isa = ", ".join(cpu["matmul_isa"]) or "no AVX2"
+        described = f"{cpu['model']}, {cpu['vendor']} family {cpu['family']} model "
+        described += f"{cpu['model_number']}; {isa}"
+    device = machine["cuda"] or f"{machine['cpu_count']} CPU cores ({described})"
     return [
         f"- Machine: {device}, {machine['torch_threads']} torch threads, torch "
         f"{machine['torch']}, Python {machine['python']}.",

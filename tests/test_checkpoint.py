@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,10 @@ def test_latest_points_at_a_whole_checkpoint(tmp_path: Path) -> None:
         "rng",
     ]
     assert not list(tmp_path.glob(".tmp-*"))
+    record = json.loads((tmp_path / "iter_0000005" / "progress.json").read_text())
+    # Plain tensors in one module: the consolidated format, recorded with the layout.
+    assert record["format"] == "consolidated"
+    assert record["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "ep": 1}
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(

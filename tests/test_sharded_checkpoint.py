@@ -5,6 +5,7 @@ its losses continue as if uninterrupted; the shards export in one process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one(flag: str, tmp_path: P
     assert (len(shard_files), (checkpoint / "model.pt").exists()) == (
         (0, True) if flag == "--zero-1-memory-optimization" else (2, False)
     )
+    record = json.loads((checkpoint / "progress.json").read_text())
+    assert record["format"] == ("consolidated" if shard_files == [] else "dcp")
+    assert record["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "ep": 1}
     model = tiny_trainer(*RUN).build_model()
     model.load_state_dict(consolidated_model_state(checkpoint))
 

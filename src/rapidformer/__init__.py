@@ -2,6 +2,7 @@
 
 from rapidformer.config import RapidformerConfig, parse_args
 from rapidformer.engine import RapidformerEngine
+from rapidformer.state import StepFunctions
 from rapidformer.templates import DataBundle, Finetuner, Pretrainer, Trainer
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __all__ = [
     "Pretrainer",
     "RapidformerConfig",
     "RapidformerEngine",
+    "StepFunctions",
     "Trainer",
     "parse_args",
 ]

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.config import validate as validation
 from rapidformer.distributed import ParallelDims, ParallelMesh
-from rapidformer.state import StepFunctions, StepOutcome, TrainState
+from rapidformer.state import StepFunctions
 from rapidformer.testing import lm_loss, lm_tokens, pad_collate, run_distributed
-from tests.engine.test_accumulation import TOLERANCE, _full_grad, _max_diff, _model, _samples
+from tests.engine.test_accumulation import TOLERANCE, _max_diff, _model, _Recording, _samples
 
 
 def test_ranks_are_laid_out_pipeline_outermost_tensor_innermost() -> None:
@@ -38,22 +38,6 @@ def test_ranks_are_laid_out_pipeline_outermost_tensor_innermost() -> None:
     ]
     one = ParallelMesh.build(ParallelDims(world_size=1), "cpu")
     assert one.device_mesh is None and one.group("dp") is None and one.group("world") is None
-
-
-class _Recording:
-    """The run's stepper, copying every whole gradient just before the update."""
-
-    def __init__(self, state: TrainState) -> None:
-        self.inner = state.stepper
-        self.name = self.inner.name
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def step(self, state: TrainState) -> StepOutcome:
-        self.grads = {n: _full_grad(p) for n, p in state.unwrapped_model.named_parameters()}
-        return self.inner.step(state)
-
-    def expected_bytes(self, state: TrainState) -> Any:
-        return self.inner.expected_bytes(state)
 
 
 def _step_of_eight(tp: int) -> dict[str, Any]:

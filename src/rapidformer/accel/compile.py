@@ -49,7 +49,8 @@ def apply_compile(state: TrainState, config: RapidformerConfig, mesh: ParallelMe
             "--torch-compile",
             True,
             f"found no transformer blocks in {type(state.model).__name__} to compile",
-            "keep the blocks in an nn.ModuleList (e.g. model.blocks) or drop the flag",
+            "keep the blocks in an nn.ModuleList or nn.ModuleDict (e.g. model.blocks), or drop "
+            "the flag",
         )
     if graph.torch_compile_cache_dir is not None:
         os.makedirs(graph.torch_compile_cache_dir, exist_ok=True)

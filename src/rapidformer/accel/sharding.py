@@ -17,7 +17,7 @@ redundancy in three stages, each one a native PyTorch mechanism here:
   again in backward (1.5x DDP's communication volume for 1/N of everything).
 
 FSDP2 units are the transformer blocks (found by their class: a Hugging Face model's
-``_no_split_modules``, else the ``nn.ModuleList`` of identical blocks) plus the root, which
+``_no_split_modules``, else the container of identical blocks) plus the root, which
 owns the embeddings and head. bf16/fp16 runs compute in the low precision through
 ``MixedPrecisionPolicy`` (gradients reduced in fp32). ``--cpu-offload`` keeps the sharded
 parameters, gradients and optimizer state in CPU memory (``CPUOffloadPolicy``); the optimizer
@@ -79,7 +79,7 @@ def _native_mode(config: RapidformerConfig) -> tuple[Mode, str] | None:
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: a Hugging Face model's layer classes
-    (``_no_split_modules``), else the repeated blocks of an ``nn.ModuleList``."""
+    (``_no_split_modules``), else the repeated blocks of an ``nn.ModuleList``/``ModuleDict``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
         units = [m for m in model.modules() if type(m).__name__ in names and m is not model]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape
-from rapidformer.models.stages import StagedModel, materialize
+from rapidformer.models.stages import StagedModel
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class BertConfig(TransformerShape):
 class BertModel(StagedModel):
     """BERT encoder with the MLM and sentence-order (NSP) pre-training heads.
 
-    Build it with :meth:`build`; the constructor alone leaves PyTorch's default init.
+    Build it with :meth:`build` (N(0, 0.02) weights, zero biases, the MLM output bias too,
+    unit LayerNorms); the constructor alone leaves PyTorch's default init.
 
     State dict: ``token_embeddings``, ``position_embeddings``, ``token_type_embeddings``,
     ``embedding_norm``; ``blocks.{i}.attention.{q,k,v,out}_proj``, ``blocks.{i}.attention_norm``,
@@ -101,21 +102,6 @@ class BertModel(StagedModel):
         self.lm_head = nn.Linear(hidden, config.vocab_size)
         self.sop_head = nn.Linear(hidden, 2)
         self.tie_weights()
-
-    @classmethod
-    def build(
-        cls, config: BertConfig, device: str | torch.device = "cpu", seed: int = 0
-    ) -> BertModel:
-        """Construct on the meta device; unless ``device`` is ``"meta"``, allocate on
-        ``device`` and initialise: N(0, 0.02) weights, zero biases (the MLM output bias too),
-        unit LayerNorms (see :meth:`GPTModel.build <rapidformer.models.GPTModel.build>`)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model.init_seed = seed
-        if torch.device(device).type != "meta":
-            materialize(model, device)
-            model.init_weights()
-        return model
 
     def tie_weights(self) -> None:
         """Share the word embedding with the MLM decoder (BERT always ties them)."""
@@ -182,11 +168,7 @@ class BertModel(StagedModel):
         assert self.token_type_embeddings is not None and self.embedding_norm is not None
         assert self.embedding_dropout is not None
         length = input_ids.shape[1]
-        if length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {length} exceeds max_position_embeddings "
-                f"{self.config.max_position_embeddings}"
-            )
+        self.check_length(length)
         positions = torch.arange(length, device=input_ids.device)
         x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
         if token_type_ids is None:

@@ -20,7 +20,7 @@ from rapidformer.models.layers import (
     TransformerShape,
     gpt2_residual_std,
 )
-from rapidformer.models.stages import StagedModel, materialize
+from rapidformer.models.stages import StagedModel
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class GPTConfig(TransformerShape):
 class GPTModel(StagedModel):
     """GPT-2-style causal language model.
 
-    Build it with :meth:`build` (meta-device construction, then deterministic init); calling
-    the constructor directly leaves PyTorch's default initialisation.
+    Build it with :meth:`build` (meta-device construction, then deterministic init: N(0, 0.02)
+    weights, GPT-2's N(0, 0.02 / sqrt(2 * layers)) for the residual output projections, zero
+    biases, unit LayerNorms); calling the constructor directly leaves PyTorch's default
+    initialisation.
 
     State dict: ``token_embeddings.weight``, ``position_embeddings.weight``,
     ``blocks.{i}.attention_norm.*``, ``blocks.{i}.attention.{q,k,v,out}_proj.*``,
@@ -86,23 +88,6 @@ class GPTModel(StagedModel):
         self.final_norm = nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
         self.tie_weights()
-
-    @classmethod
-    def build(
-        cls, config: GPTConfig, device: str | torch.device = "cpu", seed: int = 0
-    ) -> GPTModel:
-        """Construct on the meta device (no memory, no init work); unless ``device`` is
-        ``"meta"``, allocate on ``device`` and initialise: N(0, 0.02) weights, GPT-2's
-        N(0, 0.02 / sqrt(2 * layers)) for the residual output projections, zero biases, unit
-        LayerNorms. A meta model is initialised the same way by :meth:`init_weights` once it is
-        parallelised and materialised (the engine does both)."""
-        with torch.device("meta"):
-            model = cls(config)
-        model.init_seed = seed
-        if torch.device(device).type != "meta":
-            materialize(model, device)
-            model.init_weights()
-        return model
 
     def tie_weights(self) -> None:
         """Share the token embedding with the LM head (when the config ties them)."""
@@ -159,11 +144,7 @@ class GPTModel(StagedModel):
         if self.token_embeddings is not None:
             assert self.position_embeddings is not None and self.embedding_dropout is not None
             length = input_ids.shape[1]
-            if length > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {length} exceeds max_position_embeddings "
-                    f"{self.config.max_position_embeddings}"
-                )
+            self.check_length(length)
             positions = torch.arange(length, device=input_ids.device)
             x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
             x = self.embedding_dropout(x)

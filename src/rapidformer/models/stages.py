@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 INIT_STD = 0.02
+Model = TypeVar("Model", bound="StagedModel")
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> None:
@@ -134,6 +135,30 @@ class StagedModel(nn.Module):
     config: Any
     init_seed: int = 0
     """The seed :meth:`init_weights` uses unless given another (``build``'s)."""
+
+    @classmethod
+    def build(
+        cls: type[Model], config: Any, device: str | torch.device = "cpu", seed: int = 0
+    ) -> Model:
+        """Construct on the meta device (no memory, no init work); unless ``device`` is
+        ``"meta"``, allocate on ``device`` and initialise (:meth:`init_weights`). A meta model
+        is initialised the same way once it is parallelised and materialised (the engine does
+        both)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.init_seed = seed
+        if torch.device(device).type != "meta":
+            materialize(model, device)
+            model.init_weights()
+        return model
+
+    def check_length(self, length: int) -> None:
+        """Refuse sequences the position embeddings do not cover."""
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
 
     @property
     def tied_weights(self) -> dict[str, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, Dataset
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.samplers import ResumableDistributedSampler
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.errors import CheckpointError, DataError, HookError, Violation
@@ -44,6 +43,7 @@ from rapidformer.templates.batches import (
     move_to_device,
     seed_everything,
 )
+from rapidformer.templates.progress import Progress, consumed_here, step_batches
 
 __all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
 
@@ -56,16 +56,6 @@ class DataBundle:
     valid: Dataset | None = None
     test: Dataset | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
-
-
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
-
-    step: int = 0
-    epoch: int = 0
-    consumed: int = 0
-    """Micro-batches this rank has read in the current epoch."""
 
 
 class Trainer(ABC):
@@ -184,7 +174,9 @@ class Trainer(ABC):
         step = self.step_functions()
         metrics: dict[str, float] = {}
         state.model.train()  # evaluate() switches to eval mode and back
-        for group in self._step_batches(state, progress, total_steps):
+        by_epoch = cfg.training.train_iters is None
+        groups = step_batches(state, progress, total_steps, engine.accumulation_steps, by_epoch)
+        for group in groups:
             batches = [move_to_device(batch, self.device) for batch in group]
             result = engine.run_step(batches, step)
             progress.step += 1
@@ -328,57 +320,9 @@ class Trainer(ABC):
         saved = load_checkpoint(path, state)
         if self.engine.is_main_process:
             log.info("resumed from %s at step %d", path, saved["step"])
-        consumed = self._consumed_here(saved)
-        return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
-
-    def _consumed_here(self, saved: dict[str, Any]) -> int:
-        """The micro-batches each rank of this run has consumed in the saved epoch. Ranks take
-        every dp-th sample of the epoch's order, so resuming on another data-parallel size or
-        micro-batch size starts after the same samples if the count divides evenly."""
         micro, dp = self.config.data.micro_batch_size, self.engine.dims.dp
-        saved_micro = saved.get("config", {}).get("data", {}).get("micro_batch_size", micro)
-        saved_dp = saved.get("parallel", {}).get("dp", saved.get("dp", dp))
-        samples = saved["consumed"] * saved_micro * saved_dp
-        if samples % (micro * dp):
-            raise CheckpointError(
-                f"the checkpoint's {samples} samples consumed in its epoch do not split into "
-                f"micro-batches of {micro} on {dp} data-parallel ranks; resume with a "
-                "--micro-batch-size and rank count whose product divides it"
-            )
-        return samples // (micro * dp)
-
-    def _step_batches(
-        self, state: TrainState, progress: Progress, total_steps: int
-    ) -> Iterator[list[Any]]:
-        """Yield the micro-batches of each optimizer step, keeping ``progress`` exact so that
-        a checkpoint taken after any step resumes at the next sample."""
-        loader = state.train_dataloader
-        assert loader is not None and isinstance(loader.sampler, ResumableDistributedSampler)
-        if loader.sampler.num_samples < self.engine.dims.dp:
-            raise DataError(
-                f"the training set ({loader.sampler.num_samples} samples) gives "
-                f"each of the {self.engine.dims.dp} data-parallel ranks nothing"
-            )
-        accumulation = self.engine.accumulation_steps
-        by_epoch = self.config.training.train_iters is None
-        group: list[Any] = []
-        while progress.step < total_steps:
-            loader.sampler.set_position(
-                progress.epoch, progress.consumed * (loader.batch_size or 1)
-            )
-            for batch in loader:
-                progress.consumed += 1
-                group.append(batch)
-                if len(group) == accumulation:
-                    yield group
-                    group = []
-                    if progress.step >= total_steps:
-                        return
-            if by_epoch and group:  # the last, shorter step of an epoch
-                yield group
-                group = []
-            progress.epoch += 1
-            progress.consumed = 0
+        consumed = consumed_here(saved, micro, dp)
+        return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
 
 
 def _has_split_step(cls: type[Trainer]) -> bool:
