@@ -124,13 +124,13 @@ class DistributedFormat:
             )
         # The templates say which tensors to read and how this rank holds them; a fresh
         # optimizer gets (zero) state first so that its template has the moments to fill.
-        keys = [list(get_model_state_dict(part)) for part in state.model_parts]
-        content: dict[str, Any] = {"model": _model_state(state)}
+        templates = [get_model_state_dict(part) for part in state.model_parts]
+        content: dict[str, Any] = {"model": {k: v for t in templates for k, v in t.items()}}
         if state.optimizer is not None:
             content["optimizer"] = get_optimizer_state_dict(_single_part(state), state.optimizer)
         dcp.load(content, checkpoint_id=directory / SHARDED)
-        for part, names in zip(state.model_parts, keys, strict=True):
-            set_model_state_dict(part, {name: content["model"][name] for name in names})
+        for part, template in zip(state.model_parts, templates, strict=True):
+            set_model_state_dict(part, {name: content["model"][name] for name in template})
         if state.optimizer is not None:
             set_optimizer_state_dict(_single_part(state), state.optimizer, content["optimizer"])
 
