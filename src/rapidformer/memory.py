@@ -38,7 +38,11 @@ def held_bytes(tensor: torch.Tensor) -> int:
 
 
 def _local_optimizer(optimizer: Optimizer) -> Optimizer:
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    """The optimizer over this rank's partition (ZeRO-1), else ``optimizer``."""
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(optimizer, ZeroRedundancyOptimizer) or isinstance(inner, Optimizer):
+        return inner  # type: ignore[return-value]
+    return optimizer
 
 
 def _optimizer_params(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -70,10 +74,13 @@ def measured_bytes(model: nn.Module, optimizer: Optimizer | None) -> StateBytes:
     )
 
 
-def expected_bytes(model: nn.Module, optimizer: Optimizer | None) -> tuple[StateBytes, StateBytes]:
+def expected_bytes(
+    model: nn.Module, optimizer: Optimizer | None, whole: nn.Module | None = None
+) -> tuple[StateBytes, StateBytes]:
     """(this rank once training, plain DDP) for a model whose gradients and optimizer state do
     not exist yet: gradients mirror the trainable parameters this rank holds, optimizer state
-    the parameters its optimizer steps."""
+    the parameters its optimizer steps. Plain DDP holds the whole model: ``whole`` (the unsplit
+    model, e.g. on the meta device) where this rank holds pipeline stages only."""
     params = [p for p in model.parameters() if p.requires_grad]
     held = StateBytes(
         parameters=sum(held_bytes(p) for p in model.parameters()),
@@ -82,8 +89,9 @@ def expected_bytes(model: nn.Module, optimizer: Optimizer | None) -> tuple[State
         if optimizer is None
         else state_slots(optimizer) * sum(held_bytes(p) for p in _optimizer_params(optimizer)),
     )
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in params)
+    reference = whole if whole is not None else model
+    full = sum(p.numel() * p.element_size() for p in reference.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in reference.parameters() if p.requires_grad)
     slots = 0 if optimizer is None else state_slots(optimizer)
     ddp = StateBytes(parameters=full, gradients=trainable, optimizer=slots * trainable)
     return held, ddp
@@ -105,5 +113,5 @@ def describe(held: StateBytes, ddp: StateBytes) -> str:
                 part("total", held.total, ddp.total),
             ]
         )
-        + " of what plain DDP holds per rank"
+        + " of what plain DDP holds per rank (the whole, unsplit model)"
     )

@@ -20,12 +20,14 @@ and templates call them, and neither imports the other.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
@@ -74,6 +76,22 @@ class StepFunctions:
     loss: Callable[[Any, Any], torch.Tensor] | None = None
 
 
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: a replicated DTensor (a vocab-parallel loss) becomes this
+    rank's copy, still in the autograd graph."""
+    if isinstance(loss, DTensor):
+        if not all(p.is_replicate() for p in loss.placements):
+            loss = loss.redistribute(placements=[Replicate()] * len(loss.placements))
+        return loss.to_local()
+    return loss
+
+
+def whole(tensor: Any) -> Any:
+    """A DTensor gathered into a plain tensor (e.g. vocabulary-sharded logits for a metric);
+    anything else unchanged."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What the stepper did with one step's gradients."""
@@ -92,10 +110,21 @@ class ForwardBackward(Protocol):
     name: str
     reduces_gradients: bool
     """Whether it reduces gradients over the data-parallel ranks itself (then no DDP)."""
+    loss_parallel: bool
+    """Whether losses read vocabulary-sharded logits (tensor parallelism sets it)."""
+
+    def loss_context(self) -> AbstractContextManager[Any]:
+        """The context a loss and its backward run in (``loss_parallel()``, or nothing)."""
+        ...
 
     def forward_is_collective(self, state: TrainState) -> bool:
         """Whether a forward of ``state.unwrapped_model`` communicates (it gathers parameters):
         evaluation must then run as many forwards on every rank."""
+        ...
+
+    def norm_skips(self, state: TrainState) -> frozenset[int]:
+        """Ids of parameters whose gradient another rank's norm already counts (a pipeline's
+        second copy of a tied weight): the global gradient norm leaves them out."""
         ...
 
     def run(
@@ -186,6 +215,9 @@ class TrainState:
     checkpoint_format: CheckpointFormat | None = None
     plan: list[PlanStep] = field(default_factory=list)
     model_parts: list[nn.Module] = field(default_factory=list)
+    gradient_average_group: Any = None
+    """The process group the stepper averages local gradients over before the update, where
+    no DDP wrapper does it (tensor-parallel or pipelined data parallelism); None otherwise."""
     parameters: list[nn.Parameter] = field(default_factory=list)
     """The parameters of ``model_parts`` as compose() left them: what gradients accumulate on
     and clipping reads (FSDP2 swaps unsharded copies into the module during forward and

@@ -75,7 +75,7 @@ def apply_activation_checkpointing(
             PlanStep("activation checkpointing", "transformers", f"{method}, non-reentrant")
         )
         return state
-    blocks = find_blocks(model)
+    blocks = [block for part in state.model_parts for block in find_blocks(part)]
     if not blocks:
         raise ConfigError.single(
             "--checkpoint-activations",

@@ -43,7 +43,7 @@ def apply_compile(state: TrainState, config: RapidformerConfig, mesh: ParallelMe
     graph = config.graph
     if not graph.torch_compile:
         return state
-    blocks = find_blocks(state.model)
+    blocks = [block for part in state.model_parts for block in find_blocks(part)]
     if not blocks:
         raise ConfigError.single(
             "--torch-compile",

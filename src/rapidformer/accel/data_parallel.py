@@ -14,10 +14,13 @@ whose engine takes the model after the optimizer is built.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.state import PlanStep, TrainState
 
@@ -27,12 +30,14 @@ def apply_data_parallel(
 ) -> TrainState:
     dp = mesh.dims.dp
     others = (
-        isinstance(state.model, FSDPModule)
+        any(isinstance(part, FSDPModule) for part in state.model_parts)
         or state.forward_backward.reduces_gradients
         or config.memory.zero_backend == "deepspeed"
     )
     if dp == 1 or others:
         return state
+    if mesh.dims.tp > 1 or mesh.dims.pp > 1:
+        return _averaged_gradients(state, mesh)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     state.model = DistributedDataParallel(
         state.model, device_ids=device_ids, process_group=mesh.group("dp")
@@ -42,3 +47,30 @@ def apply_data_parallel(
         PlanStep("data parallel", "torch DistributedDataParallel", f"{dp} ranks, {backend}")
     )
     return state
+
+
+def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
+    """Data parallelism of tensor-parallel or pipelined models: DDP takes neither DTensor
+    parameters nor a schedule that interleaves several micro-batches' forwards, so the stepper
+    averages the local gradients over dp once per step (flat buckets, after the last backward:
+    the same traffic as DDP under accumulation, without overlapping it with the backward).
+    The replicas start equal: every rank initialised its shard from the same seed, and the
+    first data-parallel rank's values are broadcast anyway (a user's own init may differ)."""
+    group = mesh.group("dp")
+    with torch.no_grad():
+        locals_ = [_local(p) for p in state.parameters]
+        process_group.broadcast_in_place(locals_, group)
+    state.gradient_average_group = group
+    state.plan.append(
+        PlanStep(
+            "data parallel",
+            "rapidformer gradient averaging",
+            f"{mesh.dims.dp} ranks; local gradients averaged over dp in flat buckets once "
+            "per step (DDP takes no DTensor parameters or pipeline stages)",
+        )
+    )
+    return state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

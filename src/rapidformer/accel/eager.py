@@ -13,19 +13,26 @@ Who reduces the gradients over the data-parallel ranks:
   :meth:`EagerForwardBackward.arm` sets it before every micro-batch's forward;
 * FSDP2, in every backward (reduce-scatter): holding whole unsharded gradients through an
   accumulation would cost the memory ZeRO-2/3 exist to save.
+
+Under tensor parallelism with a vocab-parallel head (``loss_parallel``), each micro-batch's loss
+and backward run inside ``torch.distributed.tensor.parallel.loss_parallel()``, so the
+cross-entropy reads the sharded logits where they are; the loss comes back as a replicated
+DTensor and continues as this rank's (identical) local value.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from rapidformer.state import StepFunctions, TrainState
+from rapidformer.state import StepFunctions, TrainState, local_loss
 
 
 class EagerForwardBackward:
@@ -33,10 +40,21 @@ class EagerForwardBackward:
 
     name = "eager"
     reduces_gradients = False
+    loss_parallel = False
+    """Whether losses read vocabulary-sharded logits (set by tensor parallelism)."""
+
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a loss (and its backward) must run in: ``loss_parallel()`` for
+        vocabulary-sharded logits, else nothing."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def forward_is_collective(self, state: TrainState) -> bool:
         # FSDP2 all-gathers each unit's parameters in its forward.
         return isinstance(state.unwrapped_model, FSDPModule) and state.mesh.dims.dp > 1
+
+    def norm_skips(self, state: TrainState) -> frozenset[int]:
+        """No parameter's gradient is counted elsewhere."""
+        return frozenset()
 
     def run(
         self, state: TrainState, batches: Sequence[Any], step: StepFunctions, scales: torch.Tensor
@@ -44,8 +62,9 @@ class EagerForwardBackward:
         losses = []
         for index, batch in enumerate(batches):
             self.arm(state, last=index == len(batches) - 1)
-            loss = step.train_step(batch)
-            self.backward(state, loss * scales[index])
+            with self.loss_context():
+                loss = local_loss(step.train_step(batch))
+                self.backward(state, loss * scales[index])
             losses.append(loss.detach().float())
         return torch.stack(losses)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from rapidformer.accel.lamb import Lamb
@@ -37,17 +38,29 @@ from rapidformer.state import PlanStep, TrainState
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups: matrices and embeddings decay, biases and norm weights do not (and, under
-    LAMB, keep a trust ratio of 1; the ``trust_ratio`` key is dropped for other optimizers)."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
+    """Matrices and embeddings decay, biases and norm weights do not (and, under LAMB, keep a
+    trust ratio of 1; the ``trust_ratio`` key is dropped for other optimizers).
+
+    Under tensor parallelism some parameters are DTensors and some (replicated LayerNorms)
+    plain tensors; a fused optimizer kernel refuses to mix them, so each kind gets its own
+    groups (same hyper-parameters)."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0, "trust_ratio": False},
-    ]
+            key = (param.ndim >= 2, isinstance(param, DTensor))
+            groups.setdefault(key, []).append(param)
+    kinds = sorted({dtensor for _, dtensor in groups}) or [False]
+    result = []
+    for decays in (True, False):
+        for dtensor in kinds:
+            params = groups.get((decays, dtensor), [])
+            if not params and len(kinds) > 1:
+                continue  # an empty group breaks DCP's per-parameter optimizer state
+            if decays:
+                result.append({"params": params, "weight_decay": weight_decay})
+            else:
+                result.append({"params": params, "weight_decay": 0.0, "trust_ratio": False})
+    return result
 
 
 def optimizer_factory(
@@ -109,7 +122,7 @@ def apply_optimizer(state: TrainState, config: RapidformerConfig, mesh: Parallel
     optimizer, implementation = build_optimizer(state.unwrapped_model, config, device)
     state.optimizer = optimizer
     groups = optimizer.param_groups
-    decayed = sum(p.numel() for p in groups[0]["params"])
+    decayed = sum(p.numel() for g in groups if g["weight_decay"] for p in g["params"])
     total = sum(p.numel() for g in groups for p in g["params"])
     lamb = "; under LAMB they keep a trust ratio of 1" if isinstance(optimizer, Lamb) else ""
     state.plan.append(

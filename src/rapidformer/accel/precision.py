@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import torch
+from torch import nn
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
@@ -25,20 +26,27 @@ from rapidformer.state import PlanStep, TrainState
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def apply_precision(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
-    precision = config.precision.resolved
-    if precision == "fp32" or config.memory.zero_backend == "deepspeed":
-        return state  # DeepSpeed's engine runs the precision it was configured with
-    dtype = _DTYPES[precision]
-    device_type = state.device.type
-    forward = state.model.forward
+def _autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    forward = module.forward
 
     @functools.wraps(forward)
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type=device_type, dtype=dtype):
             return forward(*args, **kwargs)
 
-    state.model.forward = autocast_forward
+    module.forward = autocast_forward
+
+
+def apply_precision(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    precision = config.precision.resolved
+    if precision == "fp32" or config.memory.zero_backend == "deepspeed":
+        return state  # DeepSpeed's engine runs the precision it was configured with
+    dtype = _DTYPES[precision]
+    device_type = state.device.type
+    stages = getattr(state.forward_backward, "modules", None)
+    modules = stages if mesh.dims.pp > 1 and stages is not None else [state.model]
+    for module in modules:
+        _autocast_forward(module, device_type, dtype)
     state.autocast_dtype = dtype
     if precision == "fp16":
         state.grad_scaler = torch.amp.GradScaler(device_type)

@@ -47,6 +47,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from rapidformer.accel.checkpointing import find_blocks
+from rapidformer.accel.partitioned_optimizer import PartitionedOptimizer
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.distributed.mesh import ParallelMesh
@@ -110,9 +111,12 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     offload = OffloadPolicy()
     if config.memory.cpu_offload:
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    reshard = kind == "fsdp"
-    names = {id(p): n for n, p in state.model.named_parameters()}
-    units = shard_units(state.model)
+    # Under pipeline parallelism a stage's parameters are gathered once per micro-batch
+    # forward and kept for its backward (torchtitan's choice): resharding between would gather
+    # them again for every micro-batch's backward.
+    reshard = kind == "fsdp" and dims.pp == 1
+    names = {id(p): n for n, p in state.unwrapped_model.named_parameters()}
+    units = [unit for part in state.model_parts for unit in shard_units(part)]
     unit_class = type(units[0]).__name__ if units else ""  # before FSDP2 renames it FSDP<class>
     dp_mesh = mesh.submesh("dp")
     options: dict[str, Any] = {
@@ -123,19 +127,25 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     }
     for unit in units:
         fully_shard(unit, **options)
-    fully_shard(state.model, **options)
-    what = "parameters, gradients, optimizer state" if reshard else "gradients, optimizer state"
+    for part in state.model_parts:
+        fully_shard(part, **options)
+    what = (
+        "parameters, gradients, optimizer state" if kind == "fsdp" else "gradients, optimizer state"
+    )
     detail = (
         f"{what} sharded over {dims.dp} ranks; {len(units)} units"
         + (f" x {unit_class}" if units else "")
-        + " + root"
+        + f" + {len(state.model_parts)} root"
+        + ("s" if len(state.model_parts) > 1 else "")
     )
+    if kind == "fsdp" and not reshard:
+        detail += "; parameters kept gathered from a micro-batch's forward to its backward (PP)"
     if precision in _LOW:
         detail += f"; MixedPrecisionPolicy {precision} compute, fp32 reduce"
     if config.memory.cpu_offload:
         detail += "; CPUOffloadPolicy"
     if state.optimizer is not None:  # a user's optimizer holds the replaced parameters
-        new = dict(state.model.named_parameters())
+        new = dict(state.unwrapped_model.named_parameters())
         state.optimizer = _rebuilt(state.optimizer, names, new, mode_flag(config))
     engine = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
     state.plan.append(PlanStep(f"{name} (native)", engine, detail))
@@ -190,16 +200,27 @@ def apply_optimizer_sharding(
         return state
     _require_fresh(optimizer, mode_flag(config))
     groups = [dict(group) for group in optimizer.param_groups]
-    state.optimizer = ZeroRedundancyOptimizer(
-        groups,
-        optimizer_class=type(optimizer),
-        process_group=mesh.group("dp"),
-        **_constructor_defaults(optimizer),
-    )
+    dp_group = mesh.group("dp")
+    assert dp_group is not None
+    if dims.tp > 1 or dims.pp > 1:
+        # DTensor parameters cannot be broadcast by ZeroRedundancyOptimizer: the same
+        # partitioning on local tensors (see partitioned_optimizer).
+        state.optimizer = PartitionedOptimizer(
+            groups, type(optimizer), dp_group, **_constructor_defaults(optimizer)
+        )
+        engine = "rapidformer PartitionedOptimizer + gradient averaging"
+    else:
+        state.optimizer = ZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=type(optimizer),
+            process_group=dp_group,
+            **_constructor_defaults(optimizer),
+        )
+        engine = "torch ZeroRedundancyOptimizer + DDP"
     state.plan.append(
         PlanStep(
             f"{mode[1]} (native)",
-            "torch ZeroRedundancyOptimizer + DDP",
+            engine,
             f"{type(optimizer).__name__} state sharded over {dims.dp} ranks",
         )
     )
@@ -211,9 +232,8 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    """The memory-optimisation flags: one at a time, offload only of sharded state, no
-    parameter sharding under pipeline parallelism (yet)."""
-    memory, dims = config.memory, context.dims
+    """The memory-optimisation flags: one at a time, offload only of sharded state."""
+    memory = config.memory
     flags = memory.sharding_flags
     if len(flags) > 1:
         yield Violation(
@@ -236,14 +256,4 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "offload needs sharded model state",
             "add --zero-2-memory-optimization, --zero-3-memory-optimization or "
             "--fsdp-memory-optimization",
-        )
-    param_sharding = {"--zero-3-memory-optimization", "--fsdp-memory-optimization"}
-    if dims.pp > 1 and param_sharding.intersection(flags):
-        yield Violation(
-            next(iter(param_sharding.intersection(flags))),
-            True,
-            "parameter sharding cannot be combined with pipeline parallelism "
-            f"(--pipeline-model-parallel-size {dims.pp}); only optimizer-state and gradient "
-            "sharding can",
-            "use --zero-1-memory-optimization or --zero-2-memory-optimization instead",
         )

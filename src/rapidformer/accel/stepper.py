@@ -9,7 +9,8 @@ native layout:
    none does (otherwise the replicas and shards of one model would diverge).
 2. The global gradient norm, over every shard of every parameter: DTensor gradients (FSDP2,
    tensor parallelism) give a DTensor norm whose reduction runs over the mesh axes that shard
-   them; clipping scales all gradients by ``clip / norm`` when the norm is larger.
+   them, plain gradients count once, pipeline stages sum their squares; clipping scales all
+   gradients by ``clip / norm`` when the norm is larger.
 3. The optimizer step (skipped on an fp16 overflow: a fused optimizer over DTensors was seen to
    step anyway, tests/accel/test_sharding.py), the loss-scale update, and the schedule step
    (not on a skipped step, as in Megatron).
@@ -17,7 +18,11 @@ native layout:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
@@ -25,15 +30,104 @@ from rapidformer.memory import StateBytes, expected_bytes
 from rapidformer.state import StepOutcome, TrainState
 
 
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_gradients(
+    parameters: list[torch.nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    skip: frozenset[int] = frozenset(),
+) -> torch.Tensor:
     """Scale the gradients so that their global 2-norm is at most ``max_norm`` (inf: never);
-    returns the norm before clipping, whole on every rank."""
+    returns the norm before clipping, whole on every rank.
+
+    The norm covers every shard of every parameter exactly once: DTensor gradients (tensor
+    parallelism, FSDP2) reduce their squares over the mesh axes that shard them, plain ones
+    (replicated on those axes) count once; ``pp_group`` sums the stages' squares; ``skip``
+    holds the ids of parameters whose gradient another stage already counts (a pipeline's
+    copy of a tied weight)."""
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    squares = torch.zeros((), device=grads[0].device)
+    sharded = [g for g in counted if isinstance(g, DTensor)]
+    plain = [g for g in counted if not isinstance(g, DTensor)]
+    if sharded:  # DTensor norms of different meshes do not mix: one norm per mesh
+        for mesh_grads in _by_mesh(sharded):
+            norm = torch.nn.utils.get_total_norm(mesh_grads, 2.0)
+            squares = squares + cast(DTensor, norm).full_tensor().float() ** 2
+    if plain:
+        squares = squares + torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2
+    if pp_group is not None:
+        squares = process_group.all_reduce_sum(squares, pp_group)
+    norm = squares.sqrt()
+    _scale_by_norm(grads, max_norm, norm)
+    return norm
+
+
+def unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """``scaler.unscale_(optimizer)``, also where DTensor and plain gradients mix (tensor
+    parallelism: replicated LayerNorms beside sharded matrices), which the scaler's kernel
+    refuses: the local values are unscaled and checked here, and the scaler is told the
+    result as if it had done it."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        scaler.unscale_(optimizer)
+        return
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    inverse = scaler._scale.double().reciprocal().float()  # type: ignore[union-attr]
+    found: dict[torch.device, torch.Tensor] = {}
+    for same in _by_device(locals_):
+        device = same[0].device
+        found[device] = torch.zeros((), device=device)
+        for dtype in {t.dtype for t in same}:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [t for t in same if t.dtype == dtype], found[device], inverse.to(device)
+            )
+    record = scaler._per_optimizer_states[id(optimizer)]
+    record["found_inf_per_device"] = found
+    record["stage"] = OptState.UNSCALED
+
+
+def align_gradients(parameters: list[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements. DTensor's embedding backward
+    returns a vocab-parallel embedding's gradient replicated (whole on every tensor-parallel
+    rank); kept that way it would cost tp times the memory and not line up with the shard a
+    pipeline's tied LM head copy holds."""
+    for param in parameters:
+        grad = param.grad
+        if (
+            isinstance(grad, DTensor)
+            and isinstance(param, DTensor)
+            and grad.placements != param.placements
+        ):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _by_mesh(grads: list[DTensor]) -> list[list[torch.Tensor]]:
+    groups: dict[int, list[torch.Tensor]] = {}
+    meshes: dict[int, object] = {}
+    for grad in grads:
+        key = next((k for k, m in meshes.items() if m == grad.device_mesh), len(meshes))
+        meshes.setdefault(key, grad.device_mesh)
+        groups.setdefault(key, []).append(grad)
+    return list(groups.values())
+
+
+def _scale_by_norm(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """``grads *= min(1, max_norm / norm)``, on each tensor's local values (no sync)."""
+    if max_norm == float("inf"):
+        return
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    for device_grads in _by_device(locals_):
+        torch._foreach_mul_(device_grads, factor.to(device_grads[0].device))
+
+
+def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device, []).append(grad)
+    return list(groups.values())
 
 
 class TorchStepper:
@@ -49,12 +143,24 @@ class TorchStepper:
         assert optimizer is not None, "compose() built no optimizer"
         scaler = state.grad_scaler
         skipped = False
+        align_gradients(state.parameters)
+        if state.gradient_average_group is not None:
+            grads = [p.grad for p in state.parameters if p.grad is not None]
+            process_group.average_in_buckets(
+                [g.to_local() if isinstance(g, DTensor) else g for g in grads],
+                state.gradient_average_group,
+            )
         if scaler is not None:
-            scaler.unscale_(optimizer)
+            unscale(scaler, optimizer)
             found = scaler._found_inf_per_device(optimizer).values()
             for found_inf in found:
                 process_group.all_reduce_sum(found_inf, state.mesh.group("world"))
-        grad_norm = clip_gradients(state.parameters, self.max_norm)
+        grad_norm = clip_gradients(
+            state.parameters,
+            self.max_norm,
+            state.mesh.group("pp"),
+            state.forward_backward.norm_skips(state),
+        )
         lr = optimizer.param_groups[0]["lr"]
         if scaler is not None:
             skipped = bool(sum(scaler._found_inf_per_device(optimizer).values()))
@@ -69,4 +175,6 @@ class TorchStepper:
         return StepOutcome(grad_norm=float(grad_norm), lr=lr, skipped=skipped)
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
-        return expected_bytes(state.model, state.optimizer)
+        whole = getattr(state.model_parts[0], "whole_model_reference", None)
+        reference = whole() if callable(whole) and len(state.model_parts) else None
+        return expected_bytes(state.unwrapped_model, state.optimizer, reference)

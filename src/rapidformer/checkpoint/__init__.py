@@ -188,7 +188,7 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     try:
         reader.load(state, path, progress)
         if state.lr_scheduler is not None:
-            state.lr_scheduler.load_state_dict(load_file(path / "lr_scheduler.pt"))
+            _load_scheduler(state.lr_scheduler, load_file(path / "lr_scheduler.pt"))
         if state.grad_scaler is not None:
             state.grad_scaler.load_state_dict(load_file(path / "grad_scaler.pt"))
     # DCP's CheckpointException derives from BaseException: named so it cannot escape.
@@ -202,6 +202,18 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     else:  # resumed on more ranks than saved: new ranks get a fresh, still deterministic seed
         torch.manual_seed(progress["step"] * 1000 + process_group.rank())
     return progress
+
+
+def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Restore an LR schedule's position. Another layout may group the parameters differently
+    (tensor parallelism splits groups by kind): the per-group lists (``base_lrs``,
+    ``_last_lr``) then keep this run's values, which the same flags made equal, and the
+    optimizer's groups got their saved learning rates from the optimizer state."""
+    groups = len(scheduler.optimizer.param_groups)
+    per_group = [k for k, v in saved.items() if isinstance(v, list) and len(v) != groups]
+    for key in per_group:
+        saved[key] = [saved[key][0]] * groups
+    scheduler.load_state_dict(saved)
 
 
 def consolidated_model_state(path: Path) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 A run's format is chosen by what it holds (:func:`native_format`):
 
 * :class:`ConsolidatedFormat` (``model.pt``, ``optimizer.pt``): when every parameter is a plain
-  tensor and the model is one module (one process, DDP, ZeRO-1/OSS). Rank 0 writes the whole
-  state dicts, ready to export; a ZeroRedundancyOptimizer first gathers its partitions there.
+  tensor and the model is one module, whole on every rank (one process, DDP, ZeRO-1/OSS). Rank
+  0 writes the whole state dicts, ready to export; a ZeroRedundancyOptimizer first gathers its
+  partitions there. The optimizer file names its numbered parameters (``param_names``), so
+  another layout can read it.
 * :class:`DistributedFormat` (``sharded/``, torch.distributed.checkpoint): whenever any
-  parameter is a DTensor (FSDP2 for ZeRO-2/3, tensor parallelism) or the model has several parts
+  parameter is a DTensor (FSDP2 for ZeRO-2/3, tensor parallelism) or ranks hold different parts
   (pipeline stages). Each rank writes the shards it holds under names that do not depend on the
   layout (the model's own state-dict keys), and DCP reshards on load: a checkpoint resumes on
   any number of ranks and any native layout.
@@ -57,12 +59,32 @@ def _has_dtensors(state: TrainState) -> bool:
 
 
 def _single_part(state: TrainState) -> nn.Module:
-    if len(state.model_parts) != 1:
-        raise CheckpointError(
-            f"this rank holds {len(state.model_parts)} model parts; their optimizer state is "
-            "saved per part by the pipeline engine, not by one optimizer"
-        )
-    return state.model_parts[0]
+    """The module holding every parameter this rank's optimizer steps, under the model's own
+    names: the one part, or a view merging a pipeline rank's stages (their blocks into one
+    ``blocks`` dict, each stage's other modules beside them)."""
+    parts = state.model_parts
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            existing = view._modules.get(name)
+            if isinstance(child, nn.ModuleDict):
+                if existing is None:
+                    view.add_module(name, nn.ModuleDict())
+                merged = view._modules[name]
+                assert isinstance(merged, nn.ModuleDict)
+                merged.update(dict(child.items()))
+            elif existing is None:
+                view.add_module(name, child)
+            elif existing is not child:
+                raise CheckpointError(f"two pipeline stages of this rank both hold {name!r}")
+    return view
+
+
+# Optimizer state keyed per parameter name ("state.<name>.exp_avg", "param_groups.<name>.lr"):
+# layout-independent, so any layout (other groups, other stages per rank) reads it back.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ConsolidatedFormat:
@@ -73,6 +95,12 @@ class ConsolidatedFormat:
     def save(self, state: TrainState, directory: Path) -> None:
         model_state = state.unwrapped_model.state_dict()  # whole on every rank
         optimizer_state = _full_optimizer_state(state)  # ZeRO-1 gathers: every rank calls
+        if optimizer_state is not None and state.optimizer is not None:
+            # The name of each numbered parameter: another layout groups them differently.
+            names = {id(p): n for n, p in state.unwrapped_model.named_parameters()}
+            optimizer_state["param_names"] = [
+                names[id(p)] for g in state.optimizer.param_groups for p in g["params"]
+            ]
         if process_group.rank() == 0:
             torch.save(model_state, directory / "model.pt")
             if optimizer_state is not None:
@@ -83,18 +111,24 @@ class ConsolidatedFormat:
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
         model_state = load_file(directory / "model.pt")
-        if _has_dtensors(state):
-            # Every rank reads the whole file and keeps its own shard of each tensor.
-            options = StateDictOptions(full_state_dict=True)
+        if _has_dtensors(state) or state.mesh.dims.pp > 1:
+            # Every rank reads the whole file and keeps what it holds: its shard of each
+            # tensor, its stages' tensors.
             model = _single_part(state)
-            set_model_state_dict(model, model_state, options=options)
+            held = set(model.state_dict())
+            options = StateDictOptions(full_state_dict=True)
+            mine = {k: v for k, v in model_state.items() if k in held}
+            set_model_state_dict(model, mine, options=options)
             if state.optimizer is not None:
-                named = _by_fqn(model, state.optimizer, load_file(directory / "optimizer.pt"))
+                saved = load_file(directory / "optimizer.pt")
+                named = _by_fqn(model, state.optimizer, saved)
                 set_optimizer_state_dict(model, state.optimizer, named, options=options)
             return
         state.unwrapped_model.load_state_dict(model_state)
         if state.optimizer is not None:  # ZeroRedundancyOptimizer takes the whole too
-            state.optimizer.load_state_dict(load_file(directory / "optimizer.pt"))
+            saved = load_file(directory / "optimizer.pt")
+            saved.pop("param_names", None)
+            state.optimizer.load_state_dict(saved)
 
     def gather_model(self, state: TrainState) -> dict[str, Any] | None:
         return state.unwrapped_model.state_dict() if process_group.rank() == 0 else None
@@ -109,7 +143,9 @@ class DistributedFormat:
     def save(self, state: TrainState, directory: Path) -> None:
         content: dict[str, Any] = {"model": _model_state(state)}
         if state.optimizer is not None:
-            content["optimizer"] = get_optimizer_state_dict(_single_part(state), state.optimizer)
+            content["optimizer"] = get_optimizer_state_dict(
+                _single_part(state), state.optimizer, options=_FLAT
+            )
         dcp.save(content, checkpoint_id=directory / SHARDED)
 
     def record(self, state: TrainState) -> dict[str, Any]:
@@ -127,12 +163,16 @@ class DistributedFormat:
         templates = [get_model_state_dict(part) for part in state.model_parts]
         content: dict[str, Any] = {"model": {k: v for t in templates for k, v in t.items()}}
         if state.optimizer is not None:
-            content["optimizer"] = get_optimizer_state_dict(_single_part(state), state.optimizer)
+            content["optimizer"] = get_optimizer_state_dict(
+                _single_part(state), state.optimizer, options=_FLAT
+            )
         dcp.load(content, checkpoint_id=directory / SHARDED)
         for part, template in zip(state.model_parts, templates, strict=True):
             set_model_state_dict(part, {name: content["model"][name] for name in template})
         if state.optimizer is not None:
-            set_optimizer_state_dict(_single_part(state), state.optimizer, content["optimizer"])
+            set_optimizer_state_dict(
+                _single_part(state), state.optimizer, content["optimizer"], options=_FLAT
+            )
 
     def gather_model(self, state: TrainState) -> dict[str, Any] | None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -144,7 +184,7 @@ class DistributedFormat:
 
 def native_format(state: TrainState) -> CheckpointFormat:
     """The native format for what this run holds (see the module docstring)."""
-    if _has_dtensors(state) or len(state.model_parts) > 1:
+    if _has_dtensors(state) or len(state.model_parts) > 1 or state.mesh.dims.pp > 1:
         return DistributedFormat()
     return ConsolidatedFormat()
 
@@ -177,15 +217,22 @@ def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:
 
 
 def _by_fqn(model: nn.Module, optimizer: Any, indexed: dict[str, Any]) -> dict[str, Any]:
-    """A ``torch.optim``-format state dict keyed by the current optimizer's parameter names."""
+    """A ``torch.optim``-format state dict keyed by parameter names, for the parameters
+    ``model`` holds, grouped as the current optimizer groups them, each group with the saved
+    hyper-parameters (the learning rate of the step it was saved at). The file's
+    ``param_names`` name its numbered parameters (any layout); without them the current
+    optimizer's order is assumed (a file of the same layout)."""
     names = {id(param): name for name, param in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    current = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    order = indexed.get("param_names") or [name for group in current for name in group]
+    saved_group = {order[i]: group for group in indexed["param_groups"] for i in group["params"]}
+    groups = []
+    for group_names in current:
+        hyper = saved_group.get(group_names[0], {}) if group_names else {}
+        groups.append(dict(hyper, params=group_names))
     return {
-        "state": {order[i]: value for i, value in indexed["state"].items()},
-        "param_groups": [
-            dict(group, params=[order[i] for i in group["params"]])
-            for group in indexed["param_groups"]
-        ],
+        "state": {order[i]: v for i, v in indexed["state"].items() if order[i] in names.values()},
+        "param_groups": groups,
     }
 
 

@@ -33,6 +33,7 @@ Precision = Literal["fp32", "fp16", "bf16"]
 OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 ZeroBackend = Literal["native", "deepspeed"]
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +148,21 @@ class ParallelConfig:
     """Tensor-parallel degree: each layer's matrices split over this many ranks."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel degree: the layers split into this many stages."""
+    sequence_parallel: bool = False
+    """With tensor parallelism, also shard the LayerNorm and dropout regions along the sequence
+    (Megatron's sequence parallelism): their activations take 1/tp of the memory, and each
+    all-reduce becomes a reduce-scatter plus an all-gather."""
+    pipeline_schedule: PipelineSchedule = "1F1B"
+    """Pipeline schedule: 1F1B and GPipe hold one stage per rank; Interleaved1F1B (Megatron's
+    interleaving) and ZBV (zero-bubble, V-shaped) hold several virtual stages per rank."""
+    pipeline_layer_split: str | None = None
+    """Layers per pipeline stage, comma-separated (e.g. 3,5 for 8 layers on 2 stages; one entry
+    per virtual stage); default: a balanced split that counts the embedding and the head as
+    one layer each."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Layers in each virtual pipeline stage (Megatron's flag): every rank then holds
+    layers / (pipeline size x this) stages. Interleaved1F1B and ZBV default to 2 stages per
+    rank."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,8 +22,6 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError, Violation
 
 NOT_AVAILABLE: dict[str, str] = {
-    "tensor_model_parallel_size": "tensor parallelism",
-    "pipeline_model_parallel_size": "pipeline parallelism",
     "num_experts": "mixture of experts",
 }
 """Switches parsed and validated now but implemented by a later issue: field -> what is

@@ -118,3 +118,44 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+BUCKET_BYTES = 64 * 2**20
+"""Gradients are averaged in flat buckets of about this size (one all-reduce per bucket)."""
+
+
+def average_in_buckets(tensors: Sequence[torch.Tensor], group: Group) -> None:
+    """Average ``tensors`` (plain, local tensors) over ``group`` in place, flattening them into
+    buckets of one dtype and device so that a model's gradients take a few all-reduces, not
+    one per parameter."""
+    if not _spans_ranks(group):
+        return
+    size = dist.get_world_size(group)
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for same_kind in kinds.values():
+        bucket: list[torch.Tensor] = []
+        filled = 0
+        for index, tensor in enumerate(same_kind):
+            bucket.append(tensor)
+            filled += tensor.numel() * tensor.element_size()
+            if filled >= BUCKET_BYTES or index == len(same_kind) - 1:
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                flat.div_(size)
+                offset = 0
+                for t in bucket:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                bucket, filled = [], 0
+
+
+def broadcast_in_place(tensors: Sequence[torch.Tensor], group: Group) -> None:
+    """Give every rank of ``group`` its first rank's values of ``tensors`` (plain, local)."""
+    if not _spans_ranks(group):
+        return
+    assert group is not None
+    source = dist.get_global_rank(group, 0)
+    for tensor in tensors:
+        dist.broadcast(tensor, src=source, group=group)

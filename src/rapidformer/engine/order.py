@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rapidformer.accel import compile as compile_rules
-from rapidformer.accel import deepspeed, onnxruntime, sharding
+from rapidformer.accel import deepspeed, onnxruntime, pipeline, sharding, tensor_parallel
 from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
@@ -19,8 +19,10 @@ from rapidformer.accel.deepspeed import apply_deepspeed
 from rapidformer.accel.materialize import apply_materialize
 from rapidformer.accel.onnxruntime import apply_onnxruntime
 from rapidformer.accel.optimizers import apply_optimizer
+from rapidformer.accel.pipeline import apply_pipeline
 from rapidformer.accel.precision import apply_precision
 from rapidformer.accel.sharding import apply_optimizer_sharding, apply_sharding
+from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Rule
 from rapidformer.distributed.mesh import ParallelMesh
@@ -29,7 +31,10 @@ from rapidformer.state import TrainState
 Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
 
 CANONICAL_ORDER: tuple[Apply, ...] = (
-    # Checkpointing patches the user's blocks, before anything wraps them.
+    # The pipeline cuts the model (still on the meta device) into this rank's stages; every
+    # later step then works on each stage as on a whole model.
+    apply_pipeline,
+    # Checkpointing patches the blocks, before anything wraps them.
     apply_activation_checkpointing,
     # Compile traces the checkpointed blocks (checkpoint becomes a recompute region in the
     # graph); DDP / FSDP then wrap the compiled blocks, whose parameters are unchanged.
@@ -37,6 +42,9 @@ CANONICAL_ORDER: tuple[Apply, ...] = (
     # ONNX Runtime takes over forward and backward of the plain module; it must be decided
     # before DDP, which then steps aside (the slot averages the gradients itself).
     apply_onnxruntime,
+    # Tensor parallelism replaces parameters by DTensor shards on the tp axis (still meta: no
+    # memory); FSDP2 then shards those over dp (2D), and DDP replicates them.
+    apply_tensor_parallel,
     # Sharding (FSDP2 for ZeRO-2/3) must see the final blocks and takes DDP's place. On a
     # meta-device model it shards meta tensors: nothing is allocated yet.
     apply_sharding,
@@ -58,6 +66,8 @@ CANONICAL_ORDER: tuple[Apply, ...] = (
 )
 
 ACCELERATION_RULES: tuple[Rule, ...] = (
+    pipeline.rules,
+    tensor_parallel.rules,
     sharding.rules,
     deepspeed.rules,
     compile_rules.rules,

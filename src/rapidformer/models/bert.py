@@ -117,8 +117,10 @@ class BertModel(StagedModel):
         """How tensor parallelism splits this model (see :attr:`GPTModel.tp_plan`): Q/K/V and
         ``fc1`` column-parallel, ``out_proj`` and ``fc2`` row-parallel, the word embedding
         vocab-parallel and the tied MLM decoder column-parallel over the vocabulary (weight and
-        bias). Position / token-type embeddings, LayerNorms, the pooler, the MLM transform
-        and the 2-way head are small and stay replicated."""
+        bias) with sharded logits (a vocab-parallel MLM loss). Position / token-type
+        embeddings, LayerNorms, the pooler, the MLM transform and the 2-way head are small and
+        stay replicated. No sequence parallelism: the post-LayerNorm blocks and the pooler's
+        first-token read would need a different layout."""
         return {
             "token_embeddings": "vocab_parallel",
             "blocks.*.attention.q_proj": "colwise",
@@ -127,7 +129,7 @@ class BertModel(StagedModel):
             "blocks.*.attention.out_proj": "rowwise",
             "blocks.*.ffn.fc1": "colwise",
             "blocks.*.ffn.fc2": "rowwise",
-            "lm_head": "colwise",
+            "lm_head": "vocab_logits",
         }
 
     def forward(
@@ -142,13 +144,16 @@ class BertModel(StagedModel):
         tokens and 0 for padding (anywhere in the sequence); no token attends to padding. Every
         row needs at least one real token.
 
-        A pipeline stage without the embeddings takes the previous stage's hidden states
-        ``[B, T, hidden]`` as ``input_ids`` (and the same ``attention_mask``); one without the
-        heads returns hidden states.
+        A pipeline stage without the embeddings takes what the previous stage returned,
+        ``(hidden_states [B, T, hidden], attention_mask)`` (positionally: the mask arrives in
+        the second slot); one without the heads returns hidden states, with the mask beside
+        them when there is one, so that the padding mask crosses every stage.
         """
         x = input_ids
         if self.token_embeddings is not None:
             x = self._embed(input_ids, token_type_ids)
+        elif attention_mask is None:
+            attention_mask = token_type_ids  # a later stage: (hidden states, mask)
         mask = None
         if attention_mask is not None:
             # [B, T] -> [B, 1, 1, T]: every query (and head) sees the same real keys.
@@ -156,7 +161,7 @@ class BertModel(StagedModel):
         for block in self.blocks.values():
             x = block(x, mask)
         if self.lm_head is None:
-            return x
+            return x if attention_mask is None else (x, attention_mask)
         assert self.pooler and self.mlm_transform and self.mlm_activation and self.mlm_norm
         assert self.sop_head is not None
         pooled = torch.tanh(self.pooler(x[:, 0]))

@@ -111,18 +111,25 @@ class GPTModel(StagedModel):
         Q/K/V and ``fc1`` are column-parallel (each rank keeps whole heads / a slice of the
         FFN's hidden features), ``out_proj`` and ``fc2`` row-parallel (their partial sums are
         reduced once per sub-layer), the token embedding is vocab-parallel and the LM head is
-        column-parallel over the vocabulary. Both of the last two shard dim 0 of the same
-        ``[vocab, hidden]`` weight, so tying survives the split. Position embeddings and
-        LayerNorms stay replicated."""
+        column-parallel over the vocabulary with sharded logits (a vocab-parallel loss). Both of
+        the last two shard dim 0 of the same ``[vocab, hidden]`` weight, so tying survives the
+        split. LayerNorms and position embeddings stay replicated, or with sequence parallelism
+        work on the sequence shard (the ``sequence_*`` and ``position`` entries)."""
         return {
             "token_embeddings": "vocab_parallel",
+            "position_embeddings": "position",
+            "blocks.*.attention_norm": "sequence_norm",
+            "blocks.*.attention": "sequence_input",
             "blocks.*.attention.q_proj": "colwise",
             "blocks.*.attention.k_proj": "colwise",
             "blocks.*.attention.v_proj": "colwise",
             "blocks.*.attention.out_proj": "rowwise",
+            "blocks.*.ffn_norm": "sequence_norm",
+            "blocks.*.ffn": "sequence_input",
             "blocks.*.ffn.fc1": "colwise",
             "blocks.*.ffn.fc2": "rowwise",
-            "lm_head": "colwise",
+            "final_norm": "sequence_norm",
+            "lm_head": "vocab_logits",
         }
 
     def forward(

@@ -29,12 +29,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TPStyle = Literal["colwise", "rowwise", "vocab_parallel"]
+TPStyle = Literal[
+    "colwise",
+    "rowwise",
+    "vocab_parallel",
+    "vocab_logits",
+    "position",
+    "sequence_norm",
+    "sequence_input",
+]
 """How a tensor-parallel plan splits a module: ``colwise`` shards a Linear's output features
 (weight dim 0, and its bias), ``rowwise`` shards its input features (weight dim 1; the partial
 outputs are summed), ``vocab_parallel`` shards an Embedding's rows (the vocabulary; the
-partial lookups are summed). Each maps onto ``torch.distributed.tensor.parallel``'s
-``ColwiseParallel`` / ``RowwiseParallel`` (the latter for both Linear and Embedding)."""
+partial lookups are summed), ``vocab_logits`` is a column-parallel LM head whose logits stay
+sharded on the vocabulary for a vocab-parallel loss. The last three only act under sequence
+parallelism: ``position`` looks position embeddings up sequence-sharded, ``sequence_norm``
+runs a LayerNorm on the sequence shard, ``sequence_input`` all-gathers the sequence shard a
+module's first argument arrives as. :mod:`rapidformer.accel.tensor_parallel` maps them onto
+``torch.distributed.tensor.parallel``'s styles."""
 
 
 class SelfAttention(nn.Module):
@@ -122,9 +134,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.norm_first:
-            x = x + self.dropout(self.attention(self.attention_norm(x), attention_mask))
+            # The mask goes by keyword: tensor parallelism re-lays-out the first argument only.
+            h = self.attention(self.attention_norm(x), attention_mask=attention_mask)
+            x = x + self.dropout(h)
             return x + self.dropout(self.ffn(self.ffn_norm(x)))
-        x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, attention_mask=attention_mask)))
         return self.ffn_norm(x + self.dropout(self.ffn(x)))
 
 

@@ -25,6 +25,7 @@ causal_lm (also spelled casual_lm, as in the reference tool) and seq2seq_lm.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,8 +33,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from rapidformer.accel.tensor_parallel import HF_TP_FAMILIES
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.finetune_data import hub_unreachable
@@ -104,6 +107,42 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def _model_parallel_violations(config: RapidformerConfig) -> list[Violation]:
+    """Hugging Face models: no pipeline stages (the built-in models have them), and tensor
+    parallelism only for a model whose config ships a plan; decided from config.json, before
+    any process group or model exists."""
+    parallel, path = config.parallel, config.model.pretrained_model_name_or_path
+    violations = []
+    if parallel.pipeline_model_parallel_size > 1:
+        violations.append(
+            Violation(
+                "--pipeline-model-parallel-size",
+                parallel.pipeline_model_parallel_size,
+                "pipeline stages are cut from the built-in GPT/BERT, not from Hugging Face models",
+                "pretrain with the built-in models (--task pretraining), or use "
+                "--tensor-model-parallel-size / ZeRO for fine-tuning",
+            )
+        )
+    if parallel.tensor_model_parallel_size > 1 and path is not None:
+        plan = None
+        if (Path(path).expanduser() / "config.json").is_file():
+            transformers = importlib.import_module("transformers")
+            hf_config = transformers.AutoConfig.from_pretrained(path)
+            plan = getattr(hf_config, "base_model_tp_plan", None)
+        if not plan:
+            violations.append(
+                Violation(
+                    "--tensor-model-parallel-size",
+                    parallel.tensor_model_parallel_size,
+                    f"the model in {path} ships no tensor-parallel plan (base_model_tp_plan); "
+                    "GPT-2, BERT, RoBERTa and T5 have none",
+                    f"fine-tune a family that has one ({HF_TP_FAMILIES}), use ZeRO / FSDP "
+                    "instead, or pretrain with the built-in GPT/BERT, which split themselves",
+                )
+            )
+    return violations
+
+
 def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
     """``transformers.<auto_class>.from_pretrained(name_or_path, **kwargs)`` with errors that
     say what is wrong with the directory."""
@@ -167,6 +206,8 @@ class Finetuner(Trainer):
                     f"pass {_FLAG} DIR (a directory written by save_pretrained)",
                 )
             )
+        if cls.build_model is Finetuner.build_model:
+            violations += _model_parallel_violations(config)
         if cls.build_data is Finetuner.build_data and config.data.data_dir is None:
             violations.append(
                 Violation(
@@ -206,6 +247,11 @@ class Finetuner(Trainer):
         kwargs = self.task.model_kwargs()
         if kwargs:  # a new label set replaces a pretrained classifier of another size
             kwargs["ignore_mismatched_sizes"] = True
+        tp_mesh = self.engine.mesh.submesh("tp")
+        if tp_mesh is not None:
+            # The model's own plan (base_model_tp_plan), applied while loading: each rank
+            # reads only its shards; the engine's tensor-parallel step then reports it.
+            kwargs.update(tp_plan="auto", device_mesh=tp_mesh)
         model = load_model(path, self.task.auto_class, **kwargs)
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "pad_token_id", 0) is None:
@@ -297,6 +343,16 @@ class Finetuner(Trainer):
         # fp32 weights and hand them to save_pretrained.
         full = gathered_model_state(state) if state is not None else None
         if self.engine.is_main_process and model is not None:
+            if full is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+                # transformers' save_pretrained of a tensor-parallel model runs collectives
+                # (on this rank only, here): save an ordinary copy of the gathered weights.
+                config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+                if hasattr(config, "distributed_config"):
+                    config.distributed_config = None  # its barrier would wait for rank 0 only
+                with torch.device("meta"):
+                    model = type(model)(config)
+                model.load_state_dict(full, assign=True)
+                model.tie_weights()  # type: ignore[operator]
             model.save_pretrained(out_dir, state_dict=full)  # type: ignore[operator]
             self.tokenizer.save_pretrained(str(out_dir))
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)

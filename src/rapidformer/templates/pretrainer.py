@@ -40,7 +40,7 @@ from rapidformer.errors import Violation
 from rapidformer.logging import log
 from rapidformer.models.bert import BertConfig, BertModel
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import ModelInputs, call_model
+from rapidformer.state import ModelInputs, call_model, local_loss, whole
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 SPLITS = ("train", "valid", "test")
@@ -182,7 +182,8 @@ class Pretrainer(Trainer):
             batch["mlm_labels"].flatten(),
             ignore_index=IGNORE_INDEX,
         )
-        return mlm_loss + F.cross_entropy(sop_logits.float(), batch["sop_label"])
+        # Under tensor parallelism the MLM loss is a replicated DTensor (vocab-parallel).
+        return local_loss(mlm_loss) + F.cross_entropy(sop_logits.float(), batch["sop_label"])
 
     def batch_weight(self, batch: Any) -> int | torch.Tensor:
         """Tokens: every predicted token (GPT), the masked ones (BERT: the MLM term dominates;
@@ -197,7 +198,7 @@ class Pretrainer(Trainer):
         loss = self.compute_loss(outputs, batch)
         if self.family == "gpt":
             return {"loss": loss}
-        mlm_logits, sop_logits = outputs
+        mlm_logits, sop_logits = whole(outputs[0]), outputs[1]  # vocab shards gathered
         labels = batch["mlm_labels"]
         predicted = labels != IGNORE_INDEX
         return {

@@ -34,7 +34,7 @@ from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.errors import CheckpointError, DataError, HookError, Violation
 from rapidformer.logging import MetricsLogger, log
 from rapidformer.schedules import build_lr_scheduler
-from rapidformer.state import ModelInputs, StepFunctions, TrainState, call_model
+from rapidformer.state import ModelInputs, StepFunctions, TrainState, call_model, local_loss
 from rapidformer.templates.batches import (
     StepOutput,
     batch_size,
@@ -262,7 +262,7 @@ class Trainer(ABC):
         if state.forward_backward.forward_is_collective(state):
             count = process_group.all_reduce_max(count, dp_group, self.device)
         try:
-            with torch.no_grad(), _autocast(state):
+            with torch.no_grad(), _autocast(state), state.forward_backward.loss_context():
                 batches = iter(loader)
                 for _ in range(count):
                     batch = next(batches, None)
@@ -274,7 +274,7 @@ class Trainer(ABC):
                     weight = torch.as_tensor(
                         self.batch_weight(batch), dtype=torch.float32, device=self.device
                     )
-                    loss = loss_of(output, "eval_step").detach().float()
+                    loss = local_loss(loss_of(output, "eval_step")).detach().float()
                     totals += torch.stack([weight, loss * weight])
                     outputs.append(output if isinstance(output, Mapping) else {"loss": output})
         finally:

@@ -25,7 +25,7 @@ from typing import Any
 
 from rapidformer.testing.corpus import OBJECTS, PLACES, SUBJECTS, VERBS, synthetic_documents
 
-MODEL_KINDS = ("bert", "gpt2", "t5")
+MODEL_KINDS = ("bert", "gpt2", "t5", "llama")
 CLASS_VERBS = VERBS[:4]
 
 
@@ -86,6 +86,22 @@ def tiny_model(
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
+    elif kind == "llama":  # ships a tensor-parallel plan (base_model_tp_plan)
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads // 2,
+                max_position_embeddings=max_positions,
+                attention_dropout=dropout,
+                bos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
     elif kind == "t5":
         config = transformers.T5Config(
             vocab_size=vocab,
@@ -111,7 +127,7 @@ def _tokenizer(kind: str, vocab_dir: Path, vocab_size: int, seed: int) -> Any:
     from rapidformer.data.tokenizers import build_tokenizer, train_tokenizer
 
     texts = _texts(seed)
-    if kind in ("bert", "gpt2"):
+    if kind in ("bert", "gpt2", "llama"):
         name = "BertWordPieceLowerCase" if kind == "bert" else "GPT2BPETokenizer"
         vocab, merges = train_tokenizer(texts, name, str(vocab_dir), vocab_size=vocab_size)
         return build_tokenizer(name, vocab, merges).to_hf()

@@ -1,0 +1,73 @@
+"""ZeRO-1 for tensor-parallel and pipelined models: optimizer state partitioned over dp.
+
+``ZeroRedundancyOptimizer`` broadcasts the parameters it updated with ``dist.broadcast``, which
+DTensor parameters (tensor parallelism) do not support. :class:`PartitionedOptimizer` does the
+same job on local tensors: every parameter belongs to one data-parallel rank (a greedy split by
+size, the same on every rank), each rank builds the real optimizer over its own parameters
+only (so only it holds their state), steps it, and broadcasts the updated local values from
+the owner. The gradients were averaged over dp before (the stepper). Optimizer math sees whole
+DTensor parameters, so LAMB's trust ratio uses whole norms.
+
+It is an ``Optimizer`` whose ``param_groups`` hold every parameter (what schedulers and
+clipping see); hyper-parameters set on them (the LR schedule) reach the inner optimizer at each
+step, and ``state`` is the inner optimizer's (only this rank's partition).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class PartitionedOptimizer(Optimizer):
+    """``optimizer_class`` over this data-parallel rank's share of the parameters; see the
+    module docstring."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        optimizer_class: type[Optimizer],
+        group: dist.ProcessGroup,
+        **defaults: Any,
+    ) -> None:
+        super().__init__(param_groups, defaults)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        size = dist.get_world_size(group)
+        params = [p for g in self.param_groups for p in g["params"]]
+        loads = [0] * size
+        self.owner: dict[int, int] = {}
+        # Largest first onto the least loaded rank: deterministic, so every rank agrees.
+        for index in sorted(range(len(params)), key=lambda i: -_local(params[i]).numel()):
+            owner = loads.index(min(loads))
+            self.owner[id(params[index])] = owner
+            loads[owner] += _local(params[index]).numel()
+        mine = [
+            dict(g, params=[p for p in g["params"] if self.owner[id(p)] == self.rank])
+            for g in self.param_groups
+        ]
+        self.optim = optimizer_class([g for g in mine if g["params"]], **defaults)
+        self._mine = [i for i, g in enumerate(mine) if g["params"]]
+        self.state = self.optim.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        for inner, outer in zip(self.optim.param_groups, self._mine, strict=True):
+            for key, value in self.param_groups[outer].items():
+                if key != "params":
+                    inner[key] = value
+        loss = self.optim.step(closure)
+        for group in self.param_groups:
+            for param in group["params"]:
+                source = dist.get_global_rank(self.group, self.owner[id(param)])
+                dist.broadcast(_local(param), src=source, group=self.group)
+        return loss
