@@ -14,6 +14,7 @@ from torch import nn
 from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.models import BertConfig, BertModel, TransformerBlock
 from tests.conftest import MODEL_SHAPE
+from tests.models.test_gpt import TP_STYLE_KINDS
 
 MASK_ID = 3
 
@@ -62,7 +63,7 @@ def test_tp_plan_patterns_match_modules_of_the_right_kind() -> None:
     for pattern, style in model.tp_plan.items():
         matched = [m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)]
         assert matched, pattern
-        kind = nn.Embedding if style == "vocab_parallel" else nn.Linear
+        kind = TP_STYLE_KINDS[style]
         assert all(isinstance(m, kind) for m in matched), pattern
 
 

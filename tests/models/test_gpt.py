@@ -71,13 +71,24 @@ def test_blocks_are_found_and_have_an_ffn() -> None:
         assert isinstance(block.ffn.fc1, nn.Linear) and isinstance(block.ffn.fc2, nn.Linear)
 
 
+TP_STYLE_KINDS: dict[str, type[nn.Module]] = {
+    "vocab_parallel": nn.Embedding,
+    "position": nn.Embedding,
+    "colwise": nn.Linear,
+    "rowwise": nn.Linear,
+    "vocab_logits": nn.Linear,
+    "sequence_norm": nn.LayerNorm,
+    "sequence_input": nn.Module,  # the attention and FFN sub-layers
+}
+
+
 def test_tp_plan_patterns_match_modules_of_the_right_kind() -> None:
     model = GPTModel.build(tiny())
     modules = dict(model.named_modules())
     for pattern, style in model.tp_plan.items():
         matched = [m for name, m in modules.items() if fnmatch.fnmatchcase(name, pattern)]
         assert matched, pattern
-        kind = nn.Embedding if style == "vocab_parallel" else nn.Linear
+        kind = TP_STYLE_KINDS[style]
         assert all(isinstance(m, kind) for m in matched), pattern
 
 

@@ -98,9 +98,12 @@ def test_a_bert_split_in_three_stages_equals_the_whole_model() -> None:
     types = torch.zeros_like(ids)
     with torch.no_grad():
         mlm, sop = whole(ids, types, mask)
-        hidden = stages[0](ids, types, mask)
-        hidden = stages[1](hidden, attention_mask=mask)  # middle stages: hidden states in, out
-        split_mlm, split_sop = stages[2](hidden, attention_mask=mask)
+        # Each stage returns (hidden states, mask) and the next takes them as they come: the
+        # padding mask crosses the stages as a pipeline sends it.
+        carried = stages[0](ids, types, mask)
+        assert isinstance(carried, tuple) and carried[1] is mask
+        carried = stages[1](*carried)
+        split_mlm, split_sop = stages[2](*carried)
     torch.testing.assert_close(split_mlm, mlm, rtol=0, atol=SPLIT)
     torch.testing.assert_close(split_sop, sop, rtol=0, atol=SPLIT)
     assert stages[1].is_first_stage is False and stages[1].is_last_stage is False

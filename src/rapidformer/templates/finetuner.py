@@ -346,7 +346,7 @@ class Finetuner(Trainer):
             if full is not None and any(isinstance(p, DTensor) for p in model.parameters()):
                 # transformers' save_pretrained of a tensor-parallel model runs collectives
                 # (on this rank only, here): save an ordinary copy of the gathered weights.
-                config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+                config = copy.deepcopy(model.config)
                 if hasattr(config, "distributed_config"):
                     config.distributed_config = None  # its barrier would wait for rank 0 only
                 with torch.device("meta"):

@@ -1,0 +1,162 @@
+"""Per-rank model-state bytes of GPT 1.3B under tensor x pipeline parallelism, computed by the
+real parallelisation code on the meta device, next to the formula and the reference tool's
+published peak memory per GPU.
+
+The model is the reference tool's GPT 1.3B (24 layers, hidden 2048, 32 heads, sequence 1024,
+vocabulary 50304, tied embeddings), trained with fp16 mixed-precision Adam: 16 bytes per
+parameter a rank holds (fp16 weight 2 + fp16 gradient 2 + fp32 master weight 4 + two fp32 Adam
+moments 8; the ZeRO paper's accounting). For every layout tp x pp = 1x1, 2x1, 4x1, 1x2, 1x4,
+2x2, 4x4, each rank of a simulated world (torch's fake process group: no communication, no
+memory) builds the model on the meta device and runs rapidformer's own pipeline cut and tensor
+parallel plan (``apply_pipeline``, ``apply_tensor_parallel``); the parameters it then holds
+(local DTensor shards, its stages only) are counted. The largest rank is reported, with the
+formula ``16 P / (tp x pp)`` (perfect split) and the published peak memory, which also holds
+activations, buffers and the allocator's slack, so only its trend is comparable.
+
+    .venv/bin/python benchmarks/memory_3d.py          # full grid, writes result files
+    .venv/bin/python benchmarks/memory_3d.py --quick  # 2 layouts of a small GPT; writes nothing
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from common import argument_parser, stamp, write_results
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from rapidformer import RapidformerConfig
+from rapidformer.accel.eager import EagerForwardBackward
+from rapidformer.accel.pipeline import apply_pipeline
+from rapidformer.accel.stepper import TorchStepper
+from rapidformer.accel.tensor_parallel import apply_tensor_parallel
+from rapidformer.distributed import ParallelDims, ParallelMesh
+from rapidformer.models.gpt import GPTConfig, GPTModel
+from rapidformer.state import TrainState
+
+BYTES_PER_PARAMETER = 16  # fp16 mixed-precision Adam
+GPT_1_3B = GPTConfig(
+    vocab_size=50304,
+    num_layers=24,
+    hidden_size=2048,
+    num_attention_heads=32,
+    max_position_embeddings=1024,
+)
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 4)]
+PUBLISHED_MB = {  # shared/REFERENCE.md: peak memory per GPU, MB
+    (1, 1): 25061,
+    (2, 1): 11300,
+    (4, 1): 5673,
+    (1, 2): 12375,
+    (1, 4): 8141,
+    (2, 2): 6211,
+    (4, 4): 5673,
+}
+
+
+def held_parameters(model: GPTConfig, tp: int, pp: int, rank: int) -> int:
+    """Elements of the parameters ``rank`` of a tp x pp world holds."""
+    world = tp * pp
+    if world > 1:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        dims = ParallelDims(world_size=world, tp=tp, pp=pp, rank=rank)
+        mesh = ParallelMesh.build(dims, "cpu")
+        config = RapidformerConfig.from_dict(
+            {
+                "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": pp,
+                "micro_batch_size": 1,
+                "global_batch_size": 4,  # the reference benchmark's batch sizes
+            }
+        )
+        gpt = GPTModel.build(model, "meta")
+        state = TrainState(
+            model=gpt,
+            unwrapped_model=gpt,
+            device=torch.device("cpu"),
+            mesh=mesh,
+            forward_backward=EagerForwardBackward(),
+            stepper=TorchStepper(0.0),
+        )
+        state = apply_tensor_parallel(apply_pipeline(state, config, mesh), config, mesh)
+        seen: set[int] = set()
+        total = 0
+        for part in state.model_parts:
+            for param in part.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    total += local.numel()
+        return total
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argument_parser(__doc__, "a 4-layer GPT at 1x1 and 2x2")
+    args = parser.parse_args()
+    model, layouts = GPT_1_3B, LAYOUTS
+    if args.quick:
+        model = GPTConfig(
+            vocab_size=512,
+            num_layers=4,
+            hidden_size=64,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+        )
+        layouts = [(1, 1), (2, 2)]
+    whole = held_parameters(model, 1, 1, 0)
+    rows = []
+    for tp, pp in layouts:
+        per_rank = [held_parameters(model, tp, pp, r) for r in range(tp * pp)]
+        largest = max(per_rank) * BYTES_PER_PARAMETER / 2**20
+        formula = whole * BYTES_PER_PARAMETER / (tp * pp) / 2**20
+        published = PUBLISHED_MB.get((tp, pp))
+        rows.append(
+            {
+                "tp": tp,
+                "pp": pp,
+                "largest_rank_mib": round(largest, 1),
+                "smallest_rank_mib": round(min(per_rank) * BYTES_PER_PARAMETER / 2**20, 1),
+                "formula_mib": round(formula, 1),
+                "measured_over_formula": round(largest / formula, 3),
+                "published_peak_mb": published,
+                "measured_over_published": round(largest / published, 3) if published else None,
+            }
+        )
+        print(rows[-1], flush=True)
+    if args.quick:
+        return
+    result = stamp(
+        {
+            "model": "GPT 1.3B: 24 layers, hidden 2048, 32 heads, seq 1024, vocab 50304",
+            "parameters": whole,
+            "bytes_per_parameter": BYTES_PER_PARAMETER,
+            "rows": rows,
+        }
+    )
+    lines = [
+        "# Model-state memory per rank under tensor x pipeline parallelism (GPT 1.3B)",
+        "",
+        f"{whole:,} parameters, {BYTES_PER_PARAMETER} bytes each (fp16 mixed-precision Adam). "
+        "Measured: the largest rank's parameters after rapidformer's own pipeline cut and "
+        "tensor-parallel plan on the meta device (fake process group). Published: the "
+        "reference tool's peak memory per GPU (activations included).",
+        "",
+        "| tp x pp | largest rank MiB | smallest rank MiB | formula 16P/(tp*pp) MiB "
+        "| measured / formula | published peak MB | measured / published |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['tp']}x{row['pp']} | {row['largest_rank_mib']:,} | "
+            f"{row['smallest_rank_mib']:,} | {row['formula_mib']:,} | "
+            f"{row['measured_over_formula']} | {row['published_peak_mb']:,} | "
+            f"{row['measured_over_published']} |"
+        )
+    write_results("memory_3d", result, lines)
+
+
+if __name__ == "__main__":
+    main()
