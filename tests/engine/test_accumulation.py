@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.distributed import process_group
 from rapidformer.state import StepFunctions, StepOutcome, TrainState
 from rapidformer.testing import (
     MarkovLMDataset,
@@ -62,6 +63,8 @@ class _Recording:
 
     def step(self, state: TrainState) -> StepOutcome:
         self.grads = {n: _full_grad(p) for n, p in state.unwrapped_model.named_parameters()}
+        # Where no DDP reduced them (a tp axis), the stepper averages over dp first: so here.
+        process_group.average_in_buckets(list(self.grads.values()), state.gradient_average_group)
         return self.inner.step(state)
 
     def expected_bytes(self, state: TrainState) -> Any:

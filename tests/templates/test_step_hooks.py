@@ -91,5 +91,5 @@ def test_pipeline_parallelism_asks_for_the_split_step() -> None:
     )
     with pytest.raises(ConfigError) as error:
         SplitTrainer(parse_args(flags))
-    assert "compute_loss" not in str(error.value)  # only "not available yet" remains
-    assert "pipeline parallelism has not landed" in str(error.value)
+    assert "compute_loss" not in str(error.value)  # only the world-size rule (1 process) remains
+    assert "tp 1 x pp 2 does not divide" in str(error.value)

@@ -135,8 +135,7 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     detail = (
         f"{what} sharded over {dims.dp} ranks; {len(units)} units"
         + (f" x {unit_class}" if units else "")
-        + f" + {len(state.model_parts)} root"
-        + ("s" if len(state.model_parts) > 1 else "")
+        + (" + root" if len(state.model_parts) == 1 else f" + {len(state.model_parts)} roots")
     )
     if kind == "fsdp" and not reshard:
         detail += "; parameters kept gathered from a micro-batch's forward to its backward (PP)"
