@@ -32,6 +32,8 @@ TWO_RANKS: dict[str, dict[str, Any]] = {
     "pp2_ZBV": {"pipeline_model_parallel_size": 2, "pipeline_schedule": "ZBV"},
     "tp2_checkpointing": {"tensor_model_parallel_size": 2, "checkpoint_activations": True},
     "pp2_checkpointing": {"pipeline_model_parallel_size": 2, "checkpoint_activations": True},
+    "tp2_compile": {"tensor_model_parallel_size": 2, "torch_compile": True},
+    "pp2_compile": {"pipeline_model_parallel_size": 2, "torch_compile": True},
 }
 RAGGED = {"pp2_1F1B_ragged": {"pipeline_model_parallel_size": 2}}
 """Micro-batches of different lengths in one step (the dynamic-shape iterator's batches)."""
