@@ -244,6 +244,16 @@ class PipelineForwardBackward(EagerForwardBackward):
         targets = [torch.tensor(i) for i in run]
         schedule._step_microbatches(run_args, run_kwargs, targets, None, return_outputs=False)
 
+    def arm(self, state: TrainState, last: bool) -> None:
+        """Nothing to arm: no DDP wrapper, the schedule runs a whole step at once."""
+
+    def backward(self, state: TrainState, loss: torch.Tensor) -> None:
+        raise HookError(
+            "under pipeline parallelism a step's forwards and backwards run inside the "
+            "schedule: call engine.run_step(batches, StepFunctions(...)) with model_inputs and "
+            "loss, not engine.backward(loss)"
+        )
+
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: micro-batch ``target``'s loss, scaled."""
         assert self._step is not None
