@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/preprocess_throughput.py
 	$(PY) benchmarks/optimizers.py
 	$(PY) benchmarks/compile.py
+	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/ort_training.py
 	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
 	$(PY) -m pip install --quiet -c constraints.txt accelerate

@@ -8,6 +8,7 @@ import logging
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,12 @@ class MetricsLogger:
         save_dir: str | None,
         device: torch.device,
         start_step: int = 0,
+        extras: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``extras()`` adds fields to every logged line (e.g. MoE routing statistics); it is
+        called on every rank at each logged step, so it may reduce over ranks."""
         self.enabled = enabled
+        self.extras = extras
         self.log_interval = log_interval
         self.total_steps = total_steps
         self.device = device
@@ -103,6 +108,8 @@ class MetricsLogger:
             "tokens_per_s": float(self._tokens) / elapsed,
             "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
         }
+        if self.extras is not None:
+            record.update(self.extras())
         self.write("train", record)
         self._reset_window()
 

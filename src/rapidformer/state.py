@@ -153,6 +153,25 @@ class ForwardBackward(Protocol):
         ...
 
 
+class RoutingControl(Protocol):
+    """What the engine calls around each step of a model with MoE layers
+    (:class:`rapidformer.accel.moe.MoEControl`)."""
+
+    def begin_step(self, scales: torch.Tensor | None = None) -> None:
+        """A step begins; ``scales`` are its micro-batches' loss weights when known."""
+        ...
+
+    def set_current_scale(self, value: torch.Tensor) -> None:
+        """Hand-written loops: the weight of the micro-batch whose forward ran last."""
+        ...
+
+    def after_step(self) -> None: ...
+
+    def metrics(self) -> dict[str, Any]:
+        """Routing statistics since the last call; every rank calls it (collectives)."""
+        ...
+
+
 class Stepper(Protocol):
     """Applies one step's gradients; see the module docstring."""
 
@@ -218,6 +237,14 @@ class TrainState:
     gradient_average_group: Any = None
     """The process group the stepper averages local gradients over before the update, where
     no DDP wrapper does it (tensor-parallel or pipelined data parallelism); None otherwise."""
+    moe: RoutingControl | None = None
+    """The MoE layers' step bookkeeping (loss scales, expert bias, statistics); None without
+    --num-experts."""
+    expert_gradient_ids: frozenset[int] = frozenset()
+    """Expert-parallel parameters (ids): their gradients are averaged over
+    ``expert_average_group`` and divided by the ep degree instead of averaged over dp."""
+    expert_average_group: Any = None
+    expert_parallel_size: int = 1
     parameters: list[nn.Parameter] = field(default_factory=list)
     """The parameters of ``model_parts`` as compose() left them: what gradients accumulate on
     and clipping reads (FSDP2 swaps unsharded copies into the module during forward and

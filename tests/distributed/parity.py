@@ -67,12 +67,15 @@ def train_gpt(
     load: str | None = None,
     ragged: bool = False,
     before_step: Callable[[TrainState, int], None] | None = None,
+    like_dp: int = 1,
 ) -> dict[str, Any]:
     """Losses and gradient norms of steps ``start`` .. ``steps - 1`` on ``layout`` (config
     overrides: parallel sizes, schedules, sharding, precision ...), plus what this rank holds.
     ``save=(dir, step)`` writes a checkpoint after that many steps; ``load=dir`` resumes from
     the checkpoint there (then ``start`` is its step). ``ragged``: micro-batches of different
-    lengths; ``before_step(state, index)`` runs before each step (fault injection)."""
+    lengths; ``before_step(state, index)`` runs before each step (fault injection).
+    ``like_dp``: a one-process run takes its micro-batches grouped as ``like_dp`` data-parallel
+    ranks would (MoE's balancing loss is per micro-batch, so its groups must match)."""
     config = RapidformerConfig.from_dict(
         {
             "micro_batch_size": MICRO_BATCH,
@@ -108,13 +111,21 @@ def train_gpt(
     for index in range(start, steps):
         if before_step is not None:
             before_step(state, index)
-        result = engine.run_step(batches_of_step(index, dims.dp_rank, dims.dp, ragged), step)
+        if like_dp > 1 and dims.dp == 1:
+            batches = [
+                b for r in range(like_dp) for b in batches_of_step(index, r, like_dp, ragged)
+            ]
+        else:
+            batches = batches_of_step(index, dims.dp_rank, dims.dp, ragged)
+        result = engine.run_step(batches, step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         skipped.append(result.skipped)
         if save is not None and index + 1 == save[1]:
             save_checkpoint(save[0], index + 1, state, {"step": index + 1})
+    routing = engine.routing_metrics()  # every rank (it reduces); empty without MoE
     return {
+        "routing": routing,
         "losses": losses,
         "norms": norms,
         "skipped": skipped,

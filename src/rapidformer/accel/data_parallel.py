@@ -36,7 +36,7 @@ def apply_data_parallel(
     )
     if dp == 1 or others:
         return state
-    if mesh.dims.tp > 1 or mesh.dims.pp > 1:
+    if mesh.dims.tp > 1 or mesh.dims.pp > 1 or mesh.dims.ep > 1:
         return _averaged_gradients(state, mesh)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     state.model = DistributedDataParallel(
@@ -57,16 +57,22 @@ def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
     The replicas start equal: every rank initialised its shard from the same seed, and the
     first data-parallel rank's values are broadcast anyway (a user's own init may differ)."""
     group = mesh.group("dp")
+    experts = state.expert_gradient_ids  # expert parallelism: replicas only over edp
+    state.parameters = [p for part in state.model_parts for p in part.parameters()]
     with torch.no_grad():
-        locals_ = [_local(p) for p in state.parameters]
-        process_group.broadcast_in_place(locals_, group)
+        dense = [_local(p) for p in state.parameters if id(p) not in experts]
+        process_group.broadcast_in_place(dense, group)
+        held = [_local(p) for p in state.parameters if id(p) in experts]
+        process_group.broadcast_in_place(held, state.expert_average_group)
     state.gradient_average_group = group
     state.plan.append(
         PlanStep(
             "data parallel",
             "rapidformer gradient averaging",
             f"{mesh.dims.dp} ranks; local gradients averaged over dp in flat buckets once "
-            "per step (DDP takes no DTensor parameters or pipeline stages)",
+            "per step (DDP takes no DTensor parameters or pipeline stages, and would average "
+            "the different experts of expert-parallel ranks)"
+            + ("; expert gradients summed over edp / dp" if experts else ""),
         )
     )
     return state

@@ -45,9 +45,11 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     plain tensors; a fused optimizer kernel refuses to mix them, so each kind gets its own
     groups (same hyper-parameters)."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            key = (param.ndim >= 2, isinstance(param, DTensor))
+            # Stacked MoE expert biases are [experts, width]: biases all the same.
+            matrix = param.ndim >= 2 and not name.endswith(("experts.b1", "experts.b2"))
+            key = (matrix, isinstance(param, DTensor))
             groups.setdefault(key, []).append(param)
     kinds = sorted({dtensor for _, dtensor in groups}) or [False]
     result = []

@@ -54,6 +54,7 @@ from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, HookError, Violation
+from rapidformer.models.moe_router import uncounted
 from rapidformer.state import PlanStep, StepFunctions, TrainState, local_loss
 
 _SCHEDULES: dict[str, Any] = {
@@ -281,6 +282,8 @@ class PipelineForwardBackward(EagerForwardBackward):
                 PipelineStage(module, index, layout.num_stages, self.device, group=self.group)
                 for index, module in zip(self.model.stage_ids, self.modules, strict=True)
             ]
+            for stage in stages:
+                _uncounted_inference(stage)
             cls = _SCHEDULES[self.schedule_name]
             if cls is Schedule1F1B and microbatches < layout.num_stages:
                 cls = ScheduleGPipe  # 1F1B needs m >= stages; GPipe computes the same grads
@@ -343,6 +346,20 @@ def _schedulable(run: list[int], schedule: str, pp: int) -> list[list[int]]:
         whole = pp * (m // pp)
         return [run[:whole], run[whole:]]
     return [run]
+
+
+def _uncounted_inference(stage: PipelineStage) -> None:
+    """A stage infers its output shapes by one extra forward on placeholder values before
+    its first step: MoE layers must not count it as a micro-batch."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def quietly(*args: Any, **kwargs: Any) -> Any:
+        with uncounted():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = quietly  # type: ignore[method-assign]
 
 
 def _equal_shapes(args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> list[list[int]]:

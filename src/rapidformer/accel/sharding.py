@@ -125,6 +125,7 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
         "mp_policy": mixed,
         "offload_policy": offload,
     }
+    experts_sharded = _shard_experts(state, mesh, options)
     for unit in units:
         fully_shard(unit, **options)
     for part in state.model_parts:
@@ -137,6 +138,10 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
         + (f" x {unit_class}" if units else "")
         + (" + root" if len(state.model_parts) == 1 else f" + {len(state.model_parts)} roots")
     )
+    if experts_sharded:
+        detail += f"; expert-parallel weights sharded over the {dims.dp // dims.ep} edp ranks"
+    elif state.expert_gradient_ids:
+        detail += "; expert-parallel weights left out (one edp rank: nothing to shard)"
     if kind == "fsdp" and not reshard:
         detail += "; parameters kept gathered from a micro-batch's forward to its backward (PP)"
     if precision in _LOW:
@@ -149,6 +154,29 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     engine = f"FSDP2 fully_shard(reshard_after_forward={reshard})"
     state.plan.append(PlanStep(f"{name} (native)", engine, detail))
     return state
+
+
+def _shard_experts(state: TrainState, mesh: ParallelMesh, options: dict[str, Any]) -> bool:
+    """Expert parallelism: each ep rank holds other experts, so FSDP over dp must not touch
+    them. With several expert-data-parallel ranks (edp) their experts are sharded over those
+    (a unit per MoE layer's experts, whose reduce-scatter averages over edp; the stepper then
+    divides by ep: gloo has no pre-multiplied sum for a divide factor of dp); with one, FSDP
+    leaves them out. Returns whether it sharded."""
+    if not state.expert_gradient_ids:
+        return False
+    edp_mesh = mesh.submesh("edp")
+    layers = [m for part in state.model_parts for m in part.modules() if hasattr(m, "experts")]
+    expert_modules = [m.experts for m in layers if isinstance(m.experts, nn.Module)]
+    if edp_mesh is None:
+        held = [p for part in state.model_parts for p in part.parameters()]
+        options["ignored_params"] = {p for p in held if id(p) in state.expert_gradient_ids}
+        return False
+    for experts in expert_modules:
+        fully_shard(experts, **{**options, "mesh": edp_mesh})
+    # FSDP registered new (sharded) parameters; it averages them over edp itself.
+    state.expert_gradient_ids = frozenset(id(p) for m in expert_modules for p in m.parameters())
+    state.expert_average_group = None
+    return True
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
@@ -201,11 +229,16 @@ def apply_optimizer_sharding(
     groups = [dict(group) for group in optimizer.param_groups]
     dp_group = mesh.group("dp")
     assert dp_group is not None
-    if dims.tp > 1 or dims.pp > 1:
+    if dims.tp > 1 or dims.pp > 1 or dims.ep > 1:
         # DTensor parameters cannot be broadcast by ZeroRedundancyOptimizer: the same
-        # partitioning on local tensors (see partitioned_optimizer).
+        # partitioning on local tensors (see partitioned_optimizer); experts over edp.
         state.optimizer = PartitionedOptimizer(
-            groups, type(optimizer), dp_group, **_constructor_defaults(optimizer)
+            groups,
+            type(optimizer),
+            dp_group,
+            state.expert_gradient_ids,
+            state.expert_average_group,
+            **_constructor_defaults(optimizer),
         )
         engine = "rapidformer PartitionedOptimizer + gradient averaging"
     else:

@@ -103,6 +103,20 @@ def align_gradients(parameters: list[torch.nn.Parameter]) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
+def _reduce_expert_gradients(state: TrainState) -> None:
+    """Expert-parallel gradients already hold the whole ep group's tokens: sum them over the
+    ranks holding the same experts and divide by dp (= average over those, / ep)."""
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for p in state.parameters
+        if p.grad is not None and id(p) in state.expert_gradient_ids
+    ]
+    if not grads:
+        return
+    process_group.average_in_buckets(grads, state.expert_average_group)
+    torch._foreach_mul_(grads, 1.0 / state.expert_parallel_size)
+
+
 def _by_mesh(grads: list[DTensor]) -> list[list[torch.Tensor]]:
     groups: dict[int, list[torch.Tensor]] = {}
     meshes: dict[int, object] = {}
@@ -144,12 +158,17 @@ class TorchStepper:
         scaler = state.grad_scaler
         skipped = False
         align_gradients(state.parameters)
+        experts = state.expert_gradient_ids
         if state.gradient_average_group is not None:
-            grads = [p.grad for p in state.parameters if p.grad is not None]
+            grads = [
+                p.grad for p in state.parameters if p.grad is not None and id(p) not in experts
+            ]
             process_group.average_in_buckets(
                 [g.to_local() if isinstance(g, DTensor) else g for g in grads],
                 state.gradient_average_group,
             )
+        if experts:
+            _reduce_expert_gradients(state)
         if scaler is not None:
             unscale(scaler, optimizer)
             found = scaler._found_inf_per_device(optimizer).values()

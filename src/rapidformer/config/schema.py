@@ -34,6 +34,9 @@ OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 ZeroBackend = Literal["native", "deepspeed"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
+TokenDropPolicy = Literal["probs", "position"]
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "expert_bias", "none"]
+ScoreFunction = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,10 +211,45 @@ class MemoryConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """Sparsely gated mixture of experts."""
+    """Sparsely gated mixture of experts (token-choice top-k routing, Megatron's flag names)."""
 
     num_experts: int | None = None
-    """Experts per MoE layer; unset or 1 means dense feed-forward layers."""
+    """Experts per MoE layer; unset or 1 means dense feed-forward layers. The built-in GPT and
+    BERT swap their FFN for an MoE layer (see --moe-layer-freq)."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+    moe_layer_freq: str = "1"
+    """Which layers are MoE: 1 = every layer, k = every k-th (layers 0, k, 2k ...), or a
+    Megatron pattern of one 0/1 per layer, e.g. [0,1,1,1] or 0,1,1,1."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width of each expert's FFN; default: the dense FFN's."""
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most factor x tokens x topk / experts assignments per micro-batch
+    (and rank); the rest are dropped (the token keeps its residual). Unset = dropless: no
+    token is ever dropped."""
+    moe_token_drop_policy: TokenDropPolicy = "probs"
+    """Over capacity, which assignments an expert keeps: probs (highest router scores) or
+    position (earliest tokens). Needs --moe-expert-capacity-factor."""
+    moe_router_load_balancing_type: LoadBalancing = "aux_loss"
+    """aux_loss: Switch/GShard loss E x sum_i f_i P_i over the micro-batch; seq_aux_loss: the
+    same per sequence, averaged; expert_bias: no loss, a per-expert bias used only to choose
+    experts, moved every step towards even loads (DeepSeek-V3); none."""
+    moe_aux_loss_coeff: float = 1e-2
+    """Weight of the load-balancing loss (aux_loss / seq_aux_loss) in the objective."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); unset = off."""
+    moe_router_score_function: ScoreFunction = "softmax"
+    """Router scores: softmax over experts, or sigmoid per expert (the chosen top-k scores
+    are then normalised to sum to 1)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """expert_bias: how far each expert's bias moves per step (sign of its load error)."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel degree: each of these data-parallel ranks holds num_experts / size
+    experts, tokens reach them by all-to-all. Must divide the data-parallel size."""
+    moe_use_upcycling: bool = False
+    """Start the MoE model from a dense one (--load of a dense checkpoint, or the Finetuner's
+    --pretrained-model-name-or-path of a built-in export): every expert is a copy of its
+    layer's dense FFN, the router starts at zero."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,13 +21,11 @@ from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError, Violation
 
-NOT_AVAILABLE: dict[str, str] = {
-    "num_experts": "mixture of experts",
-}
+NOT_AVAILABLE: dict[str, str] = {}
 """Switches parsed and validated now but implemented by a later issue: field -> what is
 missing. A value other than the field's default is rejected until the entry is removed."""
 
-_INACTIVE = {"num_experts": (None, 1)}
+_INACTIVE: dict[str, tuple[object, ...]] = {}
 """Values of a NOT_AVAILABLE field that do not ask for the missing feature (besides the
 default)."""
 

@@ -162,6 +162,8 @@ class RapidformerEngine:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
         # The parameters as the accelerations left them (FSDP2 registered sharded ones).
         state.parameters = [p for part in state.model_parts for p in part.parameters()]
+        if state.moe is not None:
+            state.moe.begin_step()
         self.state = state
         self._late.reset()
         self._arm(self.accumulation_steps == 1)
@@ -200,9 +202,13 @@ class RapidformerEngine:
         )
         total = process_group.all_reduce_sum(weights.sum(), dp_group).clamp(min=1e-12)
         scales = weights * (self.dims.dp / total)
+        if state.moe is not None:  # auxiliary losses weigh like their micro-batch's loss
+            state.moe.begin_step(scales)
         losses = state.forward_backward.run(state, batches, step, scales)
         loss_sum = process_group.all_reduce_sum((losses * weights).sum(), dp_group)
         outcome = state.stepper.step(state)
+        if state.moe is not None:
+            state.moe.after_step()
         self._arm(self.accumulation_steps == 1)
         return _result(outcome, float(loss_sum), float(total))
 
@@ -239,13 +245,18 @@ class RapidformerEngine:
             common = process_group.all_reduce_sum(count.clone(), dp_group) / dp
             late.reference = common.clamp(min=1.0)
         if not late.last_armed:
-            forward_backward.backward(state, loss * (count / (late.reference * steps)))
+            factor = count / (late.reference * steps)
+            if state.moe is not None:
+                state.moe.set_current_scale(factor)
+            forward_backward.backward(state, loss * factor)
             self._arm(late.micro_steps + 1 == steps)
             return
         totals = process_group.all_reduce_sum(late.totals.clone(), dp_group)
         total = totals[0].clamp(min=1e-12)
         if late.micro_steps > 1:
             forward_backward.rescale_gradients(state, late.reference * steps * dp / total)
+        if state.moe is not None:
+            state.moe.set_current_scale(count * dp / total)
         forward_backward.backward(state, loss * (count * dp / total))
         late.step_totals = totals
         late.ready = True
@@ -259,10 +270,18 @@ class RapidformerEngine:
         if not self._late.ready:
             return None
         outcome = state.stepper.step(state)
+        if state.moe is not None:
+            state.moe.after_step()
         weight, loss_sum = self._late.step_totals.tolist()
         self._late.reset()
         self._arm(self.accumulation_steps == 1)
         return _result(outcome, loss_sum, weight)
+
+    def routing_metrics(self) -> dict[str, Any]:
+        """MoE routing statistics since the last call (auxiliary losses, load imbalance,
+        dropped fraction); empty without MoE. Every rank must call it (it reduces over dp)."""
+        state = self._require_state()
+        return state.moe.metrics() if state.moe is not None else {}
 
     def close(self) -> None:
         """Release what the forward-backward slot holds and leave the process group if this

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rapidformer.accel import compile as compile_rules
-from rapidformer.accel import deepspeed, onnxruntime, pipeline, sharding, tensor_parallel
+from rapidformer.accel import deepspeed, moe_rules, onnxruntime, pipeline, sharding, tensor_parallel
 from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.deepspeed import apply_deepspeed
 from rapidformer.accel.materialize import apply_materialize
+from rapidformer.accel.moe import apply_expert_parallel, apply_moe
 from rapidformer.accel.onnxruntime import apply_onnxruntime
 from rapidformer.accel.optimizers import apply_optimizer
 from rapidformer.accel.pipeline import apply_pipeline
@@ -31,9 +32,15 @@ from rapidformer.state import TrainState
 Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
 
 CANONICAL_ORDER: tuple[Apply, ...] = (
+    # MoE layers replace FFNs while the model is whole and on the meta device: the stages,
+    # tensor parallelism and sharding then treat MoE blocks like any other.
+    apply_moe,
     # The pipeline cuts the model (still on the meta device) into this rank's stages; every
     # later step then works on each stage as on a whole model.
     apply_pipeline,
+    # Expert parallelism keeps this rank's experts of the layers its stages hold (DTensors on
+    # the ep mesh, before tensor parallelism and sharding see the parameters).
+    apply_expert_parallel,
     # Checkpointing patches the blocks, before anything wraps them.
     apply_activation_checkpointing,
     # Compile traces the checkpointed blocks (checkpoint becomes a recompute region in the
@@ -66,6 +73,7 @@ CANONICAL_ORDER: tuple[Apply, ...] = (
 )
 
 ACCELERATION_RULES: tuple[Rule, ...] = (
+    moe_rules.rules,
     pipeline.rules,
     tensor_parallel.rules,
     sharding.rules,

@@ -18,6 +18,7 @@ def parallel_dims(config: RapidformerConfig, world_size: int, rank: int = 0) -> 
         world_size=world_size,
         tp=parallel.tensor_model_parallel_size,
         pp=parallel.pipeline_model_parallel_size,
+        ep=config.moe.expert_model_parallel_size,
         rank=rank,
     )
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape
+from rapidformer.models.moe import MoESpec, install_moe
 from rapidformer.models.stages import StagedModel
 
 
@@ -34,6 +35,8 @@ class BertConfig(TransformerShape):
     ffn_hidden_size: int | None = None
     dropout: float = 0.1
     layernorm_epsilon: float = 1e-12
+    moe: MoESpec | None = None
+    """Mixture-of-experts FFNs in the layers it names (``--num-experts``)."""
 
 
 class BertModel(StagedModel):
@@ -101,6 +104,7 @@ class BertModel(StagedModel):
         self.mlm_norm = nn.LayerNorm(hidden, eps=eps)
         self.lm_head = nn.Linear(hidden, config.vocab_size)
         self.sop_head = nn.Linear(hidden, 2)
+        install_moe(self.blocks, config.moe, hidden, config.ffn_size, "none")
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -20,6 +20,7 @@ from rapidformer.models.layers import (
     TransformerShape,
     gpt2_residual_std,
 )
+from rapidformer.models.moe import MoESpec, install_moe
 from rapidformer.models.stages import StagedModel
 
 
@@ -37,6 +38,8 @@ class GPTConfig(TransformerShape):
     dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
+    moe: MoESpec | None = None
+    """Mixture-of-experts FFNs in the layers it names (``--num-experts``)."""
 
 
 class GPTModel(StagedModel):
@@ -87,6 +90,7 @@ class GPTModel(StagedModel):
         )
         self.final_norm = nn.LayerNorm(hidden, eps=config.layernorm_epsilon)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        install_moe(self.blocks, config.moe, hidden, config.ffn_size, "tanh")
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rapidformer.models.moe import GroupedExperts, reset_buffers
+
 INIT_STD = 0.02
 Model = TypeVar("Model", bound="StagedModel")
 
@@ -101,6 +103,11 @@ def init_parameters(
             elif isinstance(module, nn.LayerNorm):
                 fill(module.weight, "ones")
                 fill(module.bias, "zeros")
+            elif isinstance(module, GroupedExperts):  # stacked fc1 / fc2 of every expert
+                fill(module.w1, "normal")
+                fill(module.b1, "zeros")
+                fill(module.w2, "normal", residual_std if residual_std is not None else std)
+                fill(module.b2, "zeros")
     left = sorted(set(local) - done)
     if left:
         raise TypeError(f"init_parameters does not know how to initialise {left}")
@@ -211,3 +218,4 @@ class StagedModel(nn.Module):
             self.init_seed if seed is None else seed,
             residual_std=self.residual_std(),
         )
+        reset_buffers(self)

@@ -113,6 +113,20 @@ def _model_parallel_violations(config: RapidformerConfig) -> list[Violation]:
     any process group or model exists."""
     parallel, path = config.parallel, config.model.pretrained_model_name_or_path
     violations = []
+    moe = config.moe
+    if (moe.num_experts or 1) > 1 or moe.moe_use_upcycling:
+        flag = "--num-experts" if (moe.num_experts or 1) > 1 else "--moe-use-upcycling"
+        violations.append(
+            Violation(
+                flag,
+                moe.num_experts if flag == "--num-experts" else True,
+                "swaps the FFNs of rapidformer's built-in GPT/BERT; a Hugging Face model keeps "
+                "its own architecture",
+                "fine-tune a Hugging Face MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE: its router "
+                "loss is included by itself) without the flag, or pretrain the built-in GPT/BERT "
+                "with --num-experts (and --moe-use-upcycling --load DENSE_CHECKPOINT)",
+            )
+        )
     if parallel.pipeline_model_parallel_size > 1:
         violations.append(
             Violation(
@@ -233,6 +247,9 @@ class Finetuner(Trainer):
         self._task: Task | None = None
         self.data: DataBundle | None = None
         """What build_data returned (compute_metrics reads the validation features)."""
+        self._router_aux_coef = 0.0
+        self._aux_sum: torch.Tensor = torch.zeros(())
+        self._aux_count = 0
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -254,6 +271,11 @@ class Finetuner(Trainer):
             kwargs.update(tp_plan="auto", device_mesh=tp_mesh)
         model = load_model(path, self.task.auto_class, **kwargs)
         config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "output_router_logits"):
+            # An MoE family (Mixtral, Qwen-MoE ...): have it return its load-balancing loss,
+            # which compute_loss adds with the model's own coefficient.
+            config.output_router_logits = True
+            self._router_aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
         if self.engine.is_main_process:
@@ -291,7 +313,25 @@ class Finetuner(Trainer):
         return self.task.inputs(batch)
 
     def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:
-        return self.task.loss(outputs, batch)
+        loss = self.task.loss(outputs, batch)
+        aux = getattr(outputs, "aux_loss", None)
+        if self._router_aux_coef and aux is not None and self.model is not None:
+            # A Hugging Face MoE model's router loss, once per micro-batch: it is scaled with
+            # the micro-batch's loss by the engine, like everything this returns.
+            weighted = self._router_aux_coef * aux.float()
+            if self.model.training and torch.is_grad_enabled():
+                self._aux_sum = self._aux_sum.to(weighted.device) + weighted.detach()
+                self._aux_count += 1
+            loss = loss + weighted
+        return loss
+
+    def extra_log_metrics(self) -> dict[str, float]:
+        metrics = super().extra_log_metrics()
+        if self._aux_count:
+            # This rank's mean over its micro-batches since the last line.
+            metrics["moe_aux_loss"] = float(self._aux_sum) / self._aux_count
+            self._aux_sum, self._aux_count = torch.zeros(()), 0
+        return metrics
 
     def batch_weight(self, batch: Any) -> int | torch.Tensor:
         return self.task.weight(batch)

@@ -27,6 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from rapidformer.checkpoint.upcycle import load_upcycled
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
@@ -146,6 +147,11 @@ class Trainer(ABC):
         return {}
 
     # ---- the loop ------------------------------------------------------------------------
+    def extra_log_metrics(self) -> dict[str, Any]:
+        """Fields added to every logged training line; called on every rank at each logged
+        step (it may reduce over ranks). Default: the MoE routing statistics, if any."""
+        return self.engine.routing_metrics()
+
     def fit(self) -> dict[str, float]:
         """Train, evaluate and save as configured; return the final metrics."""
         cfg, engine = self.config, self.engine
@@ -170,6 +176,7 @@ class Trainer(ABC):
             save_dir=cfg.checkpoint.save,
             device=self.device,
             start_step=progress.step,
+            extras=self.extra_log_metrics,
         )
         step = self.step_functions()
         metrics: dict[str, float] = {}
@@ -307,7 +314,13 @@ class Trainer(ABC):
         return training.epochs * -(-micro_batches // self.engine.accumulation_steps)
 
     def _resume(self, state: TrainState) -> Progress:
-        source = self.config.checkpoint.load or self.config.checkpoint.save
+        checkpoints = self.config.checkpoint
+        resumable = checkpoints.save and find_checkpoint(checkpoints.save)
+        upcycling = self.config.moe.moe_use_upcycling
+        if upcycling and not resumable:
+            return _upcycle_from(self, state)
+        # An upcycled run's --load is the dense model it started from: it resumes from --save.
+        source = checkpoints.save if upcycling else checkpoints.load or checkpoints.save
         if source is None:
             return Progress()
         path = find_checkpoint(source)
@@ -323,6 +336,20 @@ class Trainer(ABC):
         micro, dp = self.config.data.micro_batch_size, self.engine.dims.dp
         consumed = consumed_here(saved, micro, dp)
         return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
+
+
+def _upcycle_from(trainer: Trainer, state: TrainState) -> Progress:
+    """A fresh MoE run whose experts start from the dense checkpoint at --load."""
+    source = trainer.config.checkpoint.load
+    path = find_checkpoint(source) if source is not None else None
+    if path is None:
+        raise CheckpointError(
+            f"--moe-use-upcycling needs --load with a dense checkpoint; none at {source}"
+        )
+    load_upcycled(state, path)
+    if trainer.engine.is_main_process:
+        log.info("upcycled the dense checkpoint %s into the MoE model: a fresh run", path)
+    return Progress()
 
 
 def _has_split_step(cls: type[Trainer]) -> bool:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rapidformer.testing.corpus import OBJECTS, PLACES, SUBJECTS, VERBS, synthetic_documents
 
-MODEL_KINDS = ("bert", "gpt2", "t5", "llama")
+MODEL_KINDS = ("bert", "gpt2", "t5", "llama", "mixtral", "qwen3_moe")
 CLASS_VERBS = VERBS[:4]
 
 
@@ -86,22 +87,25 @@ def tiny_model(
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-    elif kind == "llama":  # ships a tensor-parallel plan (base_model_tp_plan)
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=hidden,
-                intermediate_size=2 * hidden,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=heads // 2,
-                max_position_embeddings=max_positions,
-                attention_dropout=dropout,
-                bos_token_id=tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
+    elif kind in _DECODERS:
+        # Llama ships a tensor-parallel plan (base_model_tp_plan); Mixtral and Qwen3-MoE are
+        # sparse MoE models (4 experts, top-2) that return a router loss.
+        model_class, config_class, extra = _DECODERS[kind]
+        decoder: dict[str, Any] = {
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads // 2,
+            "max_position_embeddings": max_positions,
+            "attention_dropout": dropout,
+            "bos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+        config = getattr(transformers, config_class)(**decoder, **extra(hidden, heads))
+        model = getattr(transformers, model_class)(config)
     elif kind == "t5":
         config = transformers.T5Config(
             vocab_size=vocab,
@@ -123,11 +127,33 @@ def tiny_model(
     return out
 
 
+_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+_DECODERS: dict[str, tuple[str, str, Callable[[int, int], dict[str, Any]]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", lambda hidden, heads: {}),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        lambda hidden, heads: {"num_local_experts": 4, **_MOE},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        lambda hidden, heads: {
+            "num_experts": 4,
+            "moe_intermediate_size": hidden,
+            "head_dim": hidden // heads,
+            **_MOE,
+        },
+    ),
+}
+"""Decoder-only causal LMs built from the same shape: model class, config class, extras."""
+
+
 def _tokenizer(kind: str, vocab_dir: Path, vocab_size: int, seed: int) -> Any:
     from rapidformer.data.tokenizers import build_tokenizer, train_tokenizer
 
     texts = _texts(seed)
-    if kind in ("bert", "gpt2", "llama"):
+    if kind in ("bert", "gpt2", "llama", "mixtral", "qwen3_moe"):
         name = "BertWordPieceLowerCase" if kind == "bert" else "GPT2BPETokenizer"
         vocab, merges = train_tokenizer(texts, name, str(vocab_dir), vocab_size=vocab_size)
         return build_tokenizer(name, vocab, merges).to_hf()
