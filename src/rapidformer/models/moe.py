@@ -190,8 +190,10 @@ class MoELayer(nn.Module):
         logits = self.router(flat)
         routing = route(logits, self.topk, self.score, self.router.expert_bias)
         token, expert, weight, keep = self._assignments(routing)
-        order = torch.argsort(expert[keep], stable=True)
-        token, expert, weight = token[keep][order], expert[keep][order], weight[keep][order]
+        if self.capacity_factor is not None:  # (a boolean mask reads its count to the host)
+            token, expert, weight = token[keep], expert[keep], weight[keep]
+        order = torch.argsort(expert, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.num_experts)
         y = self._experts(flat[token], counts)
         weighted = y * weight[:, None].to(y.dtype)
