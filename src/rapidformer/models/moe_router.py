@@ -71,14 +71,14 @@ class MoERuntime:
     def next_scale(self, layer: nn.Module) -> AuxScale:
         index = self.calls.get(id(layer), 0)
         self.calls[id(layer)] = index + 1
-        while len(self.scales) <= index:
-            self.scales.append(AuxScale())
-        return self.scales[index]
+        return self._cell(index)
 
     def current_scale(self) -> AuxScale:
         """The cell of the micro-batch whose forward ran last (hand-written loops set it)."""
-        index = max(self.calls.values(), default=1) - 1
-        while len(self.scales) <= index:
+        return self._cell(max(self.calls.values(), default=1) - 1)
+
+    def _cell(self, index: int) -> AuxScale:
+        while len(self.scales) <= index:  # weights not known before the step: 1 until set
             self.scales.append(AuxScale())
         return self.scales[index]
 
