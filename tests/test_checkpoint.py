@@ -36,6 +36,7 @@ def test_latest_points_at_a_whole_checkpoint(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 5, _state(), {"epoch": 0, "consumed": 10})
     assert (tmp_path / LATEST).read_text().strip() == "iter_0000005"
     assert sorted(p.name for p in (tmp_path / "iter_0000005").iterdir()) == [
+        "manifest.json",
         "model.pt",
         "optimizer.pt",
         "progress.json",
@@ -57,14 +58,18 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(
 
     def failing_save(obj: object, path: Path) -> None:
         if Path(path).name == "optimizer.pt":
-            raise OSError("disk full")
+            raise OSError(28, "No space left on device")
         real_save(obj, path)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
+    before = {p: p.read_bytes() for p in (tmp_path / "iter_0000005").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match=rf"step 10 to {tmp_path}.*No space left"):
         save_checkpoint(tmp_path, 10, state, {"epoch": 0, "consumed": 20})
     assert find_checkpoint(tmp_path) == tmp_path / "iter_0000005"
     assert not (tmp_path / "iter_0000010").exists()
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed staging directory is gone
+    after = {p: p.read_bytes() for p in (tmp_path / "iter_0000005").rglob("*") if p.is_file()}
+    assert after == before
 
     monkeypatch.setattr(torch, "save", real_save)
     save_checkpoint(tmp_path, 10, state, {"epoch": 0, "consumed": 20})  # cleans the debris
@@ -74,6 +79,6 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(
 
 def test_a_pointer_to_a_missing_checkpoint_names_the_problem(tmp_path: Path) -> None:
     (tmp_path / LATEST).write_text("iter_0000042\n")
-    with pytest.raises(CheckpointError, match=r"iter_0000042, which holds no progress\.json"):
+    with pytest.raises(CheckpointError, match=r"iter_0000042, which is damaged.*progress\.json"):
         find_checkpoint(tmp_path)
     assert find_checkpoint(tmp_path / "empty") is None

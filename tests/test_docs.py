@@ -36,3 +36,11 @@ def test_every_switch_is_in_the_feature_table_with_its_true_status() -> None:
         "--precision",
     ):
         assert rows[flag].startswith("works"), flag
+
+
+def test_reliability_page_lists_every_exit_code() -> None:
+    from rapidformer.errors import EXIT_CODES
+
+    page = (FEATURES.parent / "reliability.md").read_text()
+    for code in EXIT_CODES.values():
+        assert f"| {code} |" in page, code

@@ -37,6 +37,15 @@ def _files(folder: str) -> list[Path]:
         ("state.py", ("rapidformer.accel", "rapidformer.engine", "rapidformer.checkpoint")),
         ("checkpoint", ("rapidformer.engine", "rapidformer.templates")),
         ("models", ("rapidformer.accel", "rapidformer.engine", "rapidformer.templates")),
+        (
+            "reliability",
+            (
+                "rapidformer.accel",
+                "rapidformer.engine",
+                "rapidformer.templates",
+                "rapidformer.checkpoint",
+            ),
+        ),
     ],
 )
 def test_nothing_imports_backwards(folder: str, forbidden: tuple[str, ...]) -> None:

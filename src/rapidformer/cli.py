@@ -11,15 +11,18 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed import process_group
 from rapidformer.engine.validation import validate
-from rapidformer.errors import ConfigError, RapidformerError, Violation
+from rapidformer.errors import ConfigError, Preempted, RapidformerError, Violation, exit_code_of
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.templates.trainer import Trainer
 
@@ -92,17 +95,69 @@ def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns its exit code (see ``rapidformer.errors.EXIT_CODES``)."""
     setup_console_logging()
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
-        config = parse_args(argv)
+        config = parse_args(args)
         trainer = checked_trainer_class(config)(config)
         try:
             metrics = trainer.fit()
+        except BaseException as exc:
+            if not isinstance(exc, RapidformerError):
+                # Raised on this rank only, maybe: leaving must not wait for peers that are
+                # inside a step (they see this rank go and fail naming it).
+                process_group.mark_broken()
+            raise
         finally:
             trainer.engine.close()
-    except RapidformerError as exc:
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 (the command reports all)
+        return report(exc, debug, config_script(args))
     if trainer.engine.is_main_process:
         log.info("final metrics: %s", json.dumps(metrics))
     return 0
+
+
+def config_script(args: Sequence[str]) -> str | None:
+    """The --user-script of a command line, to point errors at the user's own code."""
+    for index, arg in enumerate(args):
+        if arg.startswith("--user-script="):
+            return arg.split("=", 1)[1]
+        if arg == "--user-script" and index + 1 < len(args):
+            return args[index + 1]
+    return None
+
+
+def report(exc: BaseException, debug: bool, script: str | None = None) -> int:
+    """Print one message for the error that ended the run (the traceback too with
+    ``debug``) and return the exit code."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, Preempted):
+        print(f"rapidformer: {exc}", file=sys.stderr)
+    elif isinstance(exc, RapidformerError):
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+    elif isinstance(exc, KeyboardInterrupt):
+        print("rapidformer: interrupted", file=sys.stderr)
+        return 130
+    else:
+        print(
+            f"rapidformer: error: {type(exc).__name__}: {exc} ({_origin(exc, script)})."
+            + ("" if debug else " Rerun with --debug (or RAPIDFORMER_DEBUG=1) for the traceback"),
+            file=sys.stderr,
+        )
+    return exit_code_of(exc)
+
+
+def _origin(exc: BaseException, script: str | None) -> str:
+    """Where ``exc`` was raised: the innermost frame in the user's script if it passed
+    through it, else the innermost frame."""
+    if isinstance(exc, SyntaxError):  # the frame is the importer's: the file is in the error
+        return f"in {exc.filename}, line {exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    mine = [f for f in frames if script is not None and Path(f.filename) == Path(script)]
+    frame = (mine or frames)[-1]
+    return f"raised in {frame.name} at {frame.filename}:{frame.lineno}"

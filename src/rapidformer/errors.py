@@ -29,7 +29,10 @@ class Violation:
 
 
 class RapidformerError(Exception):
-    """Base class of every error rapidformer raises on purpose."""
+    """Base class of every error rapidformer raises on purpose; ``exit_code`` is what the
+    ``rapidformer`` command exits with (2: bad input, unless a subclass says otherwise)."""
+
+    exit_code = 2
 
 
 class ConfigError(RapidformerError, ValueError):
@@ -58,3 +61,42 @@ class CheckpointError(RapidformerError, RuntimeError):
 class HookError(RapidformerError, TypeError):
     """A template subclass's hooks are missing, or one returned what rapidformer cannot use;
     the message names the hook and what to change."""
+
+
+class NonFiniteError(RapidformerError, FloatingPointError):
+    """Too many consecutive steps had a non-finite loss or gradient: the run stopped before
+    applying any of them, so its parameters and last checkpoint are intact."""
+
+    exit_code = 3
+
+
+class PeerLostError(RapidformerError, RuntimeError):
+    """A collective failed because another rank died or stalls; the message names it."""
+
+    exit_code = 4
+
+
+class Preempted(RapidformerError):
+    """A stop signal (SIGTERM, SIGINT, SIGUSR1) ended the run after a checkpoint was written;
+    rerunning the same command resumes from it."""
+
+    exit_code = 75  # EX_TEMPFAIL: a temporary failure, the caller is invited to retry
+
+
+EXIT_CODES = {
+    "success": 0,
+    "unexpected error (a bug, or an exception raised by user code)": 1,
+    "bad input: flags, config file, data, model, checkpoint or user-script hooks": 2,
+    "non-finite loss or gradients for --max-skipped-steps consecutive steps": 3,
+    "a peer rank died or stalled past --distributed-timeout-minutes": 4,
+    "preempted by a signal: a checkpoint was written, rerun to resume": 75,
+    "interrupted by a second Ctrl-C": 130,
+}
+"""The ``rapidformer`` command's exit codes (documented in docs/reliability.md)."""
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The command's exit code for an error that ended a run."""
+    if isinstance(exc, RapidformerError):
+        return int(getattr(exc, "exit_code", 2))
+    return 1

@@ -92,10 +92,9 @@ class MetricsLogger:
         self._tokens = self._tokens + tokens  # may stay a device tensor until it is logged
         self._loss += loss
         self._steps += 1
+        self._skipped += int(skipped)
         if self._bar is not None:
             self._bar.update(1)
-        if skipped and self.enabled:
-            log.info("step %d: gradients overflowed, update skipped and loss scale lowered", step)
         if step % self.log_interval and step != self.total_steps:
             return
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
@@ -108,6 +107,8 @@ class MetricsLogger:
             "tokens_per_s": float(self._tokens) / elapsed,
             "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
         }
+        if self._skipped:
+            record["skipped_steps"] = self._skipped  # in this window; each is logged with why
         if self.extras is not None:
             record.update(self.extras())
         self.write("train", record)
@@ -115,7 +116,7 @@ class MetricsLogger:
 
     def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
-        self._samples, self._loss, self._steps = 0, 0.0, 0
+        self._samples, self._loss, self._steps, self._skipped = 0, 0.0, 0, 0
         self._tokens = 0
 
     def write(self, kind: str, record: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from rapidformer.distributed.mesh import ParallelMesh
 
 if TYPE_CHECKING:
     from rapidformer.memory import StateBytes
+    from rapidformer.reliability.guard import StepGuard
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,12 @@ class StepOutcome:
     lr: float
     """Learning rate the step used."""
     skipped: bool
-    """True when the step was not applied (an fp16 overflow)."""
+    """True when the step was not applied (a non-finite loss or gradient, or an fp16
+    overflow)."""
+    stop: bool = False
+    """True when every rank agreed to stop after this step (a stop signal arrived)."""
+    reason: str = ""
+    """Why the step was skipped, for the log."""
 
 
 class ForwardBackward(Protocol):
@@ -165,7 +171,9 @@ class RoutingControl(Protocol):
         """Hand-written loops: the weight of the micro-batch whose forward ran last."""
         ...
 
-    def after_step(self) -> None: ...
+    def after_step(self, applied: bool = True) -> None:
+        """The step ended; ``applied`` is False for a skipped one (nothing may move)."""
+        ...
 
     def metrics(self) -> dict[str, Any]:
         """Routing statistics since the last call; every rank calls it (collectives)."""
@@ -237,6 +245,9 @@ class TrainState:
     gradient_average_group: Any = None
     """The process group the stepper averages local gradients over before the update, where
     no DDP wrapper does it (tensor-parallel or pipelined data parallelism); None otherwise."""
+    step_guard: StepGuard | None = None
+    """Every rank's per-step agreement to skip (non-finite values) or stop (a signal); the
+    stepper asks it before applying a step. Set by the engine."""
     moe: RoutingControl | None = None
     """The MoE layers' step bookkeeping (loss scales, expert bias, statistics); None without
     --num-experts."""

@@ -39,8 +39,9 @@ from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.distributed.mesh import ParallelMesh
-from rapidformer.errors import RapidformerError, Violation
+from rapidformer.errors import NonFiniteError, RapidformerError, Violation
 from rapidformer.memory import StateBytes
+from rapidformer.reliability.guard import Verdict
 from rapidformer.state import PlanStep, StepOutcome, TrainState
 
 _STAGES = {"oss": 1, "sdp": 2, "fsdp": 3}
@@ -133,18 +134,32 @@ class DeepSpeedStepper:
 
     name = "DeepSpeed engine"
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, fp16: bool) -> None:
         self.engine = engine
+        self.fp16 = fp16
 
     def step(self, state: TrainState) -> StepOutcome:
         assert state.optimizer is not None
         lr = state.optimizer.param_groups[0]["lr"]
+        # DeepSpeed's gradients live in its own partitioned buffers and its step cannot be
+        # skipped from outside: the guard sees the losses only. fp16's loss scaler skips
+        # overflow steps itself; in fp32/bf16 a non-finite loss stops the run before the step.
+        verdict = state.step_guard.verdict(None) if state.step_guard else Verdict()
+        if verdict.nonfinite_loss_ranks and not self.fp16:
+            raise NonFiniteError(
+                f"--zero-backend deepspeed: {verdict.reason}; DeepSpeed cannot skip a step "
+                "whose gradients it already holds, so the run stops before applying it (the "
+                "parameters and the last checkpoint are intact). Fix: check the data and --lr, "
+                "or use --zero-backend native, which skips such steps"
+            )
         self.engine.step()
         skipped = not self.engine.was_step_applied()  # an fp16 overflow step
         if state.lr_scheduler is not None and not skipped:
             state.lr_scheduler.step()
         norm = self.engine.get_global_grad_norm()
-        return StepOutcome(float(norm) if norm is not None else float("nan"), lr, skipped)
+        reason = verdict.reason or ("fp16 gradients overflowed" if skipped else "")
+        grad_norm = float(norm) if norm is not None else float("nan")
+        return StepOutcome(grad_norm, lr, skipped, stop=verdict.stop, reason=reason)
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         return expected_state_bytes(self.engine)
@@ -190,7 +205,7 @@ def apply_deepspeed(state: TrainState, config: RapidformerConfig, mesh: Parallel
     )
     state.model = engine
     state.forward_backward = DeepSpeedForwardBackward(engine)
-    state.stepper = DeepSpeedStepper(engine)
+    state.stepper = DeepSpeedStepper(engine, fp16=config.precision.resolved == "fp16")
     state.checkpoint_format = DeepSpeedFormat(engine)
     return state
 

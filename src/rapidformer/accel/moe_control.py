@@ -43,11 +43,12 @@ class MoEControl:
         """Hand-written loops: the weight the last forward's micro-batch got at backward."""
         self.runtime.current_scale().value = value.detach()
 
-    def after_step(self) -> None:
-        """Move the expert biases (expert_bias balancing) from this step's loads."""
+    def after_step(self, applied: bool = True) -> None:
+        """Move the expert biases (expert_bias balancing) from this step's loads, unless the
+        step was skipped."""
         self.steps += 1
         biased = [layer for layer in self.layers if layer.router.expert_bias is not None]
-        if biased:
+        if biased and applied:
             loads = torch.stack(
                 [layer._stats(layer.router.gate.weight.device).step_counts for layer in biased]
             )

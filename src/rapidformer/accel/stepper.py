@@ -11,9 +11,11 @@ native layout:
    tensor parallelism) give a DTensor norm whose reduction runs over the mesh axes that shard
    them, plain gradients count once, pipeline stages sum their squares; clipping scales all
    gradients by ``clip / norm`` when the norm is larger.
-3. The optimizer step (skipped on an fp16 overflow: a fused optimizer over DTensors was seen to
-   step anyway, tests/accel/test_sharding.py), the loss-scale update, and the schedule step
-   (not on a skipped step, as in Megatron).
+3. The step guard's verdict (:mod:`rapidformer.reliability.guard`): every rank agrees to skip
+   a step with a non-finite loss or gradient anywhere, and to stop after a stop signal.
+4. The optimizer step (skipped on an fp16 overflow or the guard's verdict: a fused optimizer
+   over DTensors was seen to step anyway, tests/accel/test_sharding.py), the loss-scale update,
+   and the schedule step (not on a skipped step, as in Megatron).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
 from rapidformer.memory import StateBytes, expected_bytes
+from rapidformer.reliability.guard import Verdict
 from rapidformer.state import StepOutcome, TrainState
 
 
@@ -181,17 +184,26 @@ class TorchStepper:
             state.forward_backward.norm_skips(state),
         )
         lr = optimizer.param_groups[0]["lr"]
+        verdict = state.step_guard.verdict(grad_norm) if state.step_guard else Verdict()
+        skipped = verdict.skip
         if scaler is not None:
-            skipped = bool(sum(scaler._found_inf_per_device(optimizer).values()))
+            # The scaler's found-inf (summed over ranks above) and the guard's gradient flag
+            # see the same overflow; a non-finite loss alone skips too.
+            skipped = skipped or bool(sum(scaler._found_inf_per_device(optimizer).values()))
             if not skipped:
                 scaler.step(optimizer)
             scaler.update()  # halves the scale after an overflow, from the same found-inf
-        else:
+        elif not skipped:
             optimizer.step()
         if state.lr_scheduler is not None and not skipped:
             state.lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm=float(grad_norm), lr=lr, skipped=skipped)
+        reason = verdict.reason
+        if skipped and scaler is not None and not verdict.nonfinite_loss_ranks:
+            reason = f"fp16 gradients overflowed, loss scale lowered to {scaler.get_scale():g}"
+        return StepOutcome(
+            grad_norm=float(grad_norm), lr=lr, skipped=skipped, stop=verdict.stop, reason=reason
+        )
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         whole = getattr(state.model_parts[0], "whole_model_reference", None)

@@ -3,9 +3,12 @@
 A checkpoint is a directory ``iter_NNNNNNN`` under ``--save`` holding the model and optimizer
 (in the run's format, see below), the LR scheduler and loss-scaler states, the trainer's
 progress (step, epoch, position in the epoch), the parallel layout (dp/tp/pp/ep), the plan and
-config, and one RNG-state file per rank. It is written into a temporary directory and renamed
-into place; the ``latest`` pointer is replaced last. A crash at any moment therefore leaves
-either the previous checkpoint or the new one, never half of one.
+config, one RNG-state file per rank, and a manifest of every file's size and SHA-256
+(:mod:`.integrity`). It is written into a temporary directory and renamed into place; the
+``latest`` pointer is replaced last (:mod:`.directory`). A crash at any moment therefore leaves
+either the previous checkpoint or the new one, never half of one; a write error on any rank
+leaves the previous one and raises on every rank; a damaged file is found before resuming, and
+the newest complete checkpoint is used instead.
 
 How model and optimizer are written is the run's checkpoint format
 (:class:`rapidformer.state.CheckpointFormat`): ``state.checkpoint_format`` when an engine brings
@@ -22,6 +25,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,16 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from rapidformer.checkpoint.directory import (
+    ASIDE_PREFIX,
+    LATEST,
+    PROGRESS,
+    STAGING_PREFIX,
+    find_checkpoint,
+    iteration_dir,
+    prune,
+    remove_debris,
+)
 from rapidformer.checkpoint.formats import (
     NATIVE,
     NATIVE_FORMATS,
@@ -37,12 +51,10 @@ from rapidformer.checkpoint.formats import (
     native_format,
     read_model_state,
 )
+from rapidformer.checkpoint.integrity import write_manifest
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
 from rapidformer.state import CheckpointFormat, TrainState
-
-LATEST = "latest"
-PROGRESS = "progress.json"
 
 __all__ = [
     "LATEST",
@@ -54,10 +66,6 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
-
-
-def iteration_dir(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -85,22 +93,39 @@ def format_of(state: TrainState) -> CheckpointFormat:
 
 
 def save_checkpoint(
-    save_dir: str | Path, step: int, state: TrainState, progress: dict[str, Any]
+    save_dir: str | Path,
+    step: int,
+    state: TrainState,
+    progress: dict[str, Any],
+    *,
+    keep: int | None = None,
 ) -> Path:
-    """Write a checkpoint of ``state`` at ``step``; every rank must call it."""
+    """Write a checkpoint of ``state`` at ``step``; every rank must call it. ``keep``: delete
+    all but the newest this many afterwards. A failed write on any rank removes the staging
+    directory, leaves the previous checkpoint and ``latest`` as they were, and raises a
+    :class:`CheckpointError` naming the path on every rank."""
     root = Path(save_dir)
     final = root / iteration_dir(step)
-    staging = root / f".tmp-{iteration_dir(step)}"
+    staging = root / f"{STAGING_PREFIX}{iteration_dir(step)}"
     rank = process_group.rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # debris of a crashed save
+        remove_debris(root)  # a crashed save's staging directory, pointer, set-aside copy
         staging.mkdir()
     process_group.barrier()
+    _agree(lambda: _write_files(staging, step, state, progress), staging, step, state.device)
+    # Rank 0 renames once every rank's files are in; the others wait for its verdict.
+    publish = (lambda: _publish(root, staging, final, keep)) if rank == 0 else (lambda: None)
+    _agree(publish, staging, step, state.device)
+    return final
+
+
+def _write_files(staging: Path, step: int, state: TrainState, progress: dict[str, Any]) -> None:
+    rank = process_group.rank()
+    writer = format_of(state)
+    writer.save(state, staging)  # a collective first: each rank writes what it holds
     (staging / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
-    writer = format_of(state)
-    writer.save(state, staging)  # a collective: each rank writes what it holds
     if rank == 0:
         if state.lr_scheduler is not None:
             torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
@@ -116,34 +141,44 @@ def save_checkpoint(
             world_size=process_group.world_size(),
         )
         (staging / PROGRESS).write_text(json.dumps(record, indent=2))
-    process_group.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(iteration_dir(step) + "\n")
-        os.replace(pointer, root / LATEST)  # the pointer moves only once the data is whole
-    process_group.barrier()
-    return final
 
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """The checkpoint ``path`` points at: an ``iter_*`` directory, or a save directory's
-    ``latest``. None when ``path`` holds no checkpoint yet."""
-    path = Path(path)
-    if (path / PROGRESS).is_file():
-        return path
-    pointer = path / LATEST
-    if not pointer.is_file():
-        return None
-    target = path / pointer.read_text().strip()
-    if not (target / PROGRESS).is_file():
-        raise CheckpointError(
-            f"{pointer} points at {target}, which holds no {PROGRESS}; "
-            "the checkpoint is damaged: pass --load with an older iter_* dir"
-        )
-    return target
+def _publish(root: Path, staging: Path, final: Path, keep: int | None) -> None:
+    """Rank 0: seal the staged checkpoint with its manifest and move it into place."""
+    write_manifest(staging)
+    aside = root / f"{ASIDE_PREFIX}{final.name}"
+    if final.exists():  # the same step saved again (a resumed run redoing steps)
+        os.replace(final, aside)
+    os.replace(staging, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)  # the pointer moves only once the data is whole
+    shutil.rmtree(aside, ignore_errors=True)
+    if keep is not None:
+        prune(root, keep)
+
+
+def _agree(action: Callable[[], None], staging: Path, step: int, device: torch.device) -> None:
+    """Run ``action`` on every rank and share whether it failed anywhere (a collective)."""
+    failure: BaseException | None = None
+    try:
+        action()
+    # DCP's CheckpointException derives from BaseException: named so that it is shared too.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 (shared, then raised)
+        failure = exc
+    failed = torch.tensor([float(failure is not None)], device=device)
+    process_group.all_reduce_sum(failed, process_group.world_group())
+    if not failed.item():
+        return
+    if process_group.rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    process_group.barrier()
+    cause = f"{type(failure).__name__}: {failure}" if failure is not None else "on another rank"
+    raise CheckpointError(
+        f"cannot write the checkpoint of step {step} to {staging.parent} ({cause}); the "
+        f"previous checkpoint and {staging.parent / LATEST} are untouched. Fix: free space "
+        "there or pass another --save, then rerun to resume"
+    ) from failure
 
 
 def saved_format(path: Path, record: dict[str, Any]) -> str:

@@ -9,19 +9,65 @@ override the file.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
 from rapidformer.config.schema import SECTIONS
 from rapidformer.errors import ConfigError
 
+OTHER_TOOLS_NAMES = {
+    "--learning-rate": "--lr",
+    "--max-steps": "--train-iters",
+    "--num-train-epochs": "--epochs",
+    "--per-device-train-batch-size": "--micro-batch-size",
+    "--train-batch-size": "--global-batch-size",
+    "--gradient-accumulation-steps": "--global-batch-size",
+    "--fp16": "--precision fp16",
+    "--bf16": "--precision bf16",
+    "--output-dir": "--save",
+    "--resume-from-checkpoint": "--load",
+    "--model-name-or-path": "--pretrained-model-name-or-path",
+    "--warmup-steps": "--lr-warmup-iters",
+    "--warmup-ratio": "--lr-warmup-fraction",
+    "--logging-steps": "--log-interval",
+    "--save-steps": "--save-interval",
+    "--max-grad-norm": "--clip-grad",
+    "--max-seq-length": "--seq-length",
+    "--gradient-checkpointing": "--checkpoint-activations",
+}
+"""Hugging Face / DeepSpeed spellings users bring, and ours."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with one line per error instead of the whole usage, and the closest flag
+    for a misspelt one."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        unknown = re.findall(r"(--[\w-]+)", message) if "unrecognized" in message else []
+        flags = [o for action in self._actions for o in action.option_strings]
+        for flag in unknown:
+            known = OTHER_TOOLS_NAMES.get(flag.replace("_", "-"))
+            close = [known] if known else difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+            if close:
+                hint += f" Did you mean {close[0]} (for {flag})?"
+        sys.stderr.write(
+            f"rapidformer: error: {message}.{hint} Every flag: rapidformer --help and "
+            "docs/parameters.md\n"
+        )
+        sys.exit(2)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``rapidformer`` argument parser, one group per config section."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rapidformer",
         description="Train transformers fast by flipping switches. Every flag is documented "
         "in docs/parameters.md.",

@@ -126,6 +126,10 @@ class TrainingConfig:
     """Seed of every random number generator (model init, dropout, data order)."""
     user_script: str | None = None
     """Python file defining a Trainer, Pretrainer or Finetuner subclass for the CLI to run."""
+    max_skipped_steps: int = 10
+    """Stop the run after this many consecutive steps skipped for a non-finite loss or
+    gradient (on any rank; fp16 loss-scale overflows count too). A skipped step changes no
+    parameter, optimizer state or learning rate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +170,9 @@ class ParallelConfig:
     """Layers in each virtual pipeline stage (Megatron's flag): every rank then holds
     layers / (pipeline size x this) stages. Interleaved1F1B and ZBV default to 2 stages per
     rank."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a rank waits in a collective for its peers before the run fails with a message
+    naming the rank that is missing (the process group's timeout)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,7 +296,10 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint directory (or one iteration inside it) to resume from."""
     save_interval: int | None = None
-    """Save every this many steps; a final checkpoint is always saved when --save is set."""
+    """Save every this many steps; a final checkpoint is always saved when --save is set, and
+    one at the step reached when a stop signal (SIGTERM, SIGINT, SIGUSR1) arrives."""
+    save_keep: int | None = None
+    """Keep only the newest this many checkpoints under --save (default: keep all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +308,9 @@ class LoggingConfig:
 
     log_interval: int = 100
     """Log loss, learning rate, gradient norm, throughput and memory every this many steps."""
+    debug: bool = False
+    """Print the Python traceback of an error that ends a run (also RAPIDFORMER_DEBUG=1);
+    by default the command prints one message naming the input and the fix."""
 
 
 SECTIONS: dict[str, type] = {

@@ -172,6 +172,11 @@ def _schedule(config: RapidformerConfig, context: RunContext) -> Iterator[Violat
         yield Violation(
             "--min-lr", training.min_lr, f"must not exceed --lr {training.lr}", "lower --min-lr"
         )
+    timeout = config.parallel.distributed_timeout_minutes
+    if not timeout > 0:
+        yield Violation(
+            "--distributed-timeout-minutes", timeout, "must be > 0", "e.g. 10 (minutes)"
+        )
     if training.clip_grad < 0:
         yield Violation(
             "--clip-grad", training.clip_grad, "must be >= 0 (0 disables clipping)", "e.g. 1.0"

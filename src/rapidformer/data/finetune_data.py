@@ -18,12 +18,13 @@ there are, or that the hub cannot be reached and how to pass a local folder inst
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -96,8 +97,35 @@ def _local(root: Path, data_name: str | None) -> dict[str, Dataset]:
         raise ConfigError.single(
             "--data-dir", str(folder), "mixes file formats", "keep one format per dataset"
         )
+    for split, paths in by_split.items():
+        for file in paths:
+            _check_file(Path(file), split)
     loaded = datasets.load_dataset(builders.pop(), data_files=by_split)
     return dict(loaded)
+
+
+def _check_file(path: Path, split: str) -> None:
+    """Name the file and line of what the datasets loader would report as an anonymous
+    pyarrow error (a malformed JSON line) or a StopIteration (an empty file)."""
+    if path.stat().st_size == 0 or not path.read_text().strip():
+        raise DataError(
+            f"{path}: the file is empty, so the {split} split holds no rows. Fix: fill it, or "
+            "remove it from --data-dir"
+        )
+    if path.suffix != ".jsonl":
+        return
+    with open(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}, line {number}, column {exc.colno}: not valid JSON ({exc.msg}). "
+                    "Fix: make every line one JSON object, e.g. "
+                    '{"text": "...", "label": "..."}'
+                ) from exc
 
 
 def _split_of(stem: str, default: str | None) -> str | None:

@@ -268,7 +268,8 @@ def _read_header(idx_path: str) -> tuple[np.dtype[Any], int, int]:
         raise DataError(
             f"{idx_path}: unknown dtype code {code} (known: "
             + ", ".join(f"{c}={d}" for c, d in DTYPE_CODES.items())
-            + ")"
+            + "): the index is corrupt or was not written by a Megatron-compatible "
+            "preprocessor. Fix: preprocess the corpus again (python -m rapidformer.data.preprocess)"
         )
     count, docs = struct.unpack_from("<QQ", header, 18)
     expected = HEADER_SIZE + 12 * count + 8 * docs
@@ -374,7 +375,8 @@ class IndexedDataset:
         if bin_size < needed:
             raise DataError(
                 f"{self.bin_path}: truncated or corrupt data file: {bin_size} bytes, but "
-                f"{self.idx_path} places its last sequence to end at byte {needed}"
+                f"{self.idx_path} places its last sequence to end at byte {needed}. Fix: copy "
+                "the .bin again (an interrupted copy?) or preprocess the corpus again"
             )
         self._bin_size = bin_size
 

@@ -164,7 +164,7 @@ def _gpt2_backend(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Token
 
 def _read_text(path: str, what: str) -> str:
     if not os.path.isfile(path):
-        raise DataError(f"{path}: {what} not found")
+        raise DataError(f"{path}: {what} not found. Fix: check --vocab-file / --merge-file")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

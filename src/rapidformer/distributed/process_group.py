@@ -7,6 +7,7 @@ call is a no-op, which is what a one-process run and an axis of degree 1 get.
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,14 +32,50 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(env: LaunchEnv, device: torch.device) -> bool:
+def init_process_group(
+    env: LaunchEnv, device: torch.device, timeout_minutes: float | None = None
+) -> bool:
     """Join the job's process group (nccl on GPUs, gloo on CPUs) when there is more than one
     rank; returns whether this call created it. The launcher's env:// variables say where the
-    rendezvous is."""
+    rendezvous is; ``timeout_minutes`` bounds how long a collective waits for a peer."""
     if dist.is_initialized() or env.world_size == 1:
         return False
-    dist.init_process_group(backend=_backend(device), rank=env.rank, world_size=env.world_size)
+    timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
+    dist.init_process_group(
+        backend=_backend(device),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        store=_attempt_store(env, timeout),
+    )
     return True
+
+
+def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Under torchrun, a view of the agent's store private to this attempt. The agent keeps
+    one store across restarts; the keys an attempt's device-mesh groups left there made the
+    next attempt's gloo connect to the dead workers' addresses (seen with torch 2.13:
+    "Gloo connectFullMesh failed ... Connection refused"). None: the launcher's env://."""
+    if env.agent_store is None or env.restart_count is None:
+        return None
+    host, port = env.agent_store
+    store = dist.TCPStore(
+        host,
+        port,
+        env.world_size,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"rapidformer/attempt_{env.restart_count}", store)
+
+
+_broken = False
+
+
+def mark_broken() -> None:
+    """A peer is gone: leaving the group must not wait for it (no farewell barrier)."""
+    global _broken
+    _broken = True
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -58,11 +95,13 @@ def ensure_process_group(device: torch.device) -> None:
 def destroy_process_group() -> None:
     """Leave the job's process group, once every rank is done with it (rank 0 hosts the store:
     no rank may tear it down while another still uses it)."""
+    global _broken
     if not dist.is_initialized():
         return
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 1 and not _broken:
         dist.barrier()
     dist.destroy_process_group()
+    _broken = False
 
 
 def is_distributed() -> bool:
@@ -110,6 +149,11 @@ def barrier() -> None:
     """Every rank of the job waits for every other (a no-op on one process)."""
     if is_distributed():
         dist.barrier()
+
+
+def world_group() -> Group:
+    """The whole job's group (None on one process)."""
+    return dist.group.WORLD if is_distributed() else None
 
 
 def rank() -> int:

@@ -44,6 +44,8 @@ from rapidformer.engine.validation import validate
 from rapidformer.errors import Violation
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.memory import describe
+from rapidformer.reliability.guard import StepGuard
+from rapidformer.reliability.signals import StopSignals
 from rapidformer.state import StepFunctions, StepOutcome, TrainState
 
 
@@ -58,9 +60,14 @@ class StepResult:
     lr: float
     """Learning rate the step used."""
     skipped: bool
-    """True when the loss scaler found inf/NaN gradients and skipped the update."""
+    """True when the update was skipped: a non-finite loss or gradient on some rank (or an
+    fp16 overflow the loss scaler found); ``skip_reason`` says which."""
     weight: float
     """Units (samples or tokens) in the global batch."""
+    stop_requested: bool = False
+    """Every rank agreed to stop after this step: a stop signal arrived (``Trainer.fit``
+    saves a checkpoint and ends the run)."""
+    skip_reason: str = ""
 
 
 class _LateWeights:
@@ -110,8 +117,12 @@ class RapidformerEngine:
         if env.rank == 0:
             setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
         self.device = process_group.pick_device(env)
-        self._owns_process_group = process_group.init_process_group(env, self.device)
+        self._owns_process_group = process_group.init_process_group(
+            env, self.device, config.parallel.distributed_timeout_minutes
+        )
         self.mesh = ParallelMesh.build(self.dims, self.device.type)
+        self.guard = StepGuard(config.training.max_skipped_steps, self.mesh.group("world"))
+        """Skips non-finite steps and shares stop requests (:mod:`rapidformer.reliability`)."""
         data = config.data
         self.accumulation_steps = self.dims.accumulation_steps(
             data.micro_batch_size, data.global_batch_size
@@ -155,6 +166,7 @@ class RapidformerEngine:
             optimizer_fn=optimizer_fn,
             train_dataloader=train_dataloader,
             eval_dataloader=eval_dataloader,
+            step_guard=self.guard,
         )
         for apply in CANONICAL_ORDER:
             state = apply(state, self.config, self.mesh)
@@ -205,11 +217,9 @@ class RapidformerEngine:
         if state.moe is not None:  # auxiliary losses weigh like their micro-batch's loss
             state.moe.begin_step(scales)
         losses = state.forward_backward.run(state, batches, step, scales)
+        self.guard.observe_loss(losses)
         loss_sum = process_group.all_reduce_sum((losses * weights).sum(), dp_group)
-        outcome = state.stepper.step(state)
-        if state.moe is not None:
-            state.moe.after_step()
-        self._arm(self.accumulation_steps == 1)
+        outcome = self._apply(state)
         return _result(outcome, float(loss_sum), float(total))
 
     # ---- hand-written loops: weights known only after each forward ------------------------
@@ -269,13 +279,30 @@ class RapidformerEngine:
         state = self._require_state()
         if not self._late.ready:
             return None
-        outcome = state.stepper.step(state)
-        if state.moe is not None:
-            state.moe.after_step()
+        self.guard.observe_loss(self._late.totals[1])
+        outcome = self._apply(state)
         weight, loss_sum = self._late.step_totals.tolist()
         self._late.reset()
-        self._arm(self.accumulation_steps == 1)
         return _result(outcome, loss_sum, weight)
+
+    def _apply(self, state: TrainState) -> StepOutcome:
+        """The stepper's update (or agreed skip) and the bookkeeping after it."""
+        outcome = state.stepper.step(state)
+        if state.moe is not None:
+            state.moe.after_step(applied=not outcome.skipped)
+        self._arm(self.accumulation_steps == 1)
+        if outcome.skipped and self.is_main_process:
+            log.warning("step %d skipped: %s", self.guard.steps + 1, outcome.reason)
+        self.guard.count(outcome.skipped, outcome.reason)
+        return outcome
+
+    def watch_signals(self) -> StopSignals:
+        """A context in which SIGTERM, SIGINT and SIGUSR1 become a stop request that every
+        rank agrees on at the next step (``StepResult.stop_requested``), instead of killing
+        the process. ``Trainer.fit`` enters it when the run has ``--save``."""
+        signals = StopSignals()
+        self.guard.signals = signals
+        return signals
 
     def routing_metrics(self) -> dict[str, Any]:
         """MoE routing statistics since the last call (auxiliary losses, load imbalance,
@@ -312,4 +339,6 @@ def _result(outcome: StepOutcome, loss_sum: float, weight: float) -> StepResult:
         lr=outcome.lr,
         skipped=outcome.skipped,
         weight=weight,
+        stop_requested=outcome.stop,
+        skip_reason=outcome.reason,
     )

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rapidformer.errors import HookError
+
 IGNORE_INDEX = -100
 """The label value every loss in rapidformer ignores (Hugging Face's convention)."""
 
@@ -62,9 +64,19 @@ def batch_tokens(batch: Any) -> torch.Tensor | int:
 def loss_of(output: StepOutput, hook: str) -> torch.Tensor:
     """The loss in a step's output (a tensor, or a dict's ``loss``)."""
     if isinstance(output, torch.Tensor):
-        return output
-    if "loss" not in output:
-        raise TypeError(f"{hook} returned a dict without 'loss' (keys: {list(output)})")
-    loss = output["loss"]
-    assert isinstance(loss, torch.Tensor), f"{hook} returned a 'loss' that is not a tensor"
+        loss = output
+    elif not isinstance(output, Mapping) or "loss" not in output:
+        keys = list(output) if isinstance(output, Mapping) else type(output).__name__
+        raise HookError(
+            f"{hook} returned {keys!r}, not a loss: return the micro-batch's mean loss (a "
+            "scalar tensor) or a dict with 'loss'"
+        )
+    else:
+        loss = output["loss"]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise HookError(
+            f"{hook} returned a loss of shape {shape}: it must be a scalar tensor (the "
+            "micro-batch's mean loss); reduce it, e.g. with .mean()"
+        )
     return loss

@@ -278,6 +278,7 @@ class Finetuner(Trainer):
             self._router_aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
+        _check_vocabulary(model, len(self.tokenizer), path)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
@@ -397,3 +398,20 @@ class Finetuner(Trainer):
             self.tokenizer.save_pretrained(str(out_dir))
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns
+
+
+def _check_vocabulary(model: nn.Module, tokenizer_size: int, path: str) -> None:
+    """Refuse a tokenizer whose ids the model cannot embed (they would fail on the first batch
+    holding one, as an IndexError naming nothing)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and tokenizer_size > rows:
+        raise ConfigError.single(
+            "--pretrained-model-name-or-path",
+            path,
+            f"its tokenizer has {tokenizer_size} entries but the model embeds only {rows} "
+            "(config.json vocab_size): they do not belong together",
+            "save the tokenizer the model was trained with in that directory, or resize the "
+            "model's embeddings (model.resize_token_embeddings) before fine-tuning",
+        )

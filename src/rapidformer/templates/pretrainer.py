@@ -34,6 +34,7 @@ from rapidformer.data.blended import BlendedDataset, samples_per_dataset
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
+from rapidformer.data.token_check import check_token_ids
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.distributed import process_group
 from rapidformer.errors import Violation
@@ -129,6 +130,7 @@ class Pretrainer(Trainer):
         assert data.tokenizer_type is not None and data.vocab_file is not None
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
         self.family = model_family(self.config)
+        self._checked_prefixes: set[str] = set()  # corpora whose token ids were checked
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -246,6 +248,10 @@ class Pretrainer(Trainer):
 
     def _split_range(self, prefix: str, name: str) -> tuple[IndexedDataset, int, int]:
         indexed = IndexedDataset(prefix, self.config.data.data_impl)
+        if prefix not in self._checked_prefixes:
+            vocab_file = self.config.data.vocab_file or ""
+            check_token_ids(indexed.bin_path, indexed.dtype, self.tokenizer.vocab_size, vocab_file)
+            self._checked_prefixes.add(prefix)
         num_documents = len(indexed.doc_idx) - 1
         start, end = split_ranges(num_documents, self.config.data.split)[SPLITS.index(name)]
         return indexed, start, end

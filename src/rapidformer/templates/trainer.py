@@ -26,14 +26,15 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset
 
-from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from rapidformer.checkpoint.upcycle import load_upcycled
+from rapidformer.checkpoint import save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
-from rapidformer.errors import CheckpointError, DataError, HookError, Violation
+from rapidformer.errors import DataError, HookError, Preempted, Violation
 from rapidformer.logging import MetricsLogger, log
+from rapidformer.reliability.peers import naming_lost_peers
+from rapidformer.reliability.spikes import SpikeDetector
 from rapidformer.schedules import build_lr_scheduler
 from rapidformer.state import ModelInputs, StepFunctions, TrainState, call_model, local_loss
 from rapidformer.templates.batches import (
@@ -44,7 +45,8 @@ from rapidformer.templates.batches import (
     move_to_device,
     seed_everything,
 )
-from rapidformer.templates.progress import Progress, consumed_here, step_batches
+from rapidformer.templates.progress import Progress, step_batches
+from rapidformer.templates.resuming import resume
 
 __all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
 
@@ -153,7 +155,16 @@ class Trainer(ABC):
         return self.engine.routing_metrics()
 
     def fit(self) -> dict[str, float]:
-        """Train, evaluate and save as configured; return the final metrics."""
+        """Train, evaluate and save as configured; return the final metrics.
+
+        With ``--save``, a stop signal (SIGTERM, SIGINT, SIGUSR1) on any rank ends the run
+        after the step every rank agreed on, with a checkpoint there, by raising
+        :class:`~rapidformer.errors.Preempted`. A collective that fails because a peer died
+        raises :class:`~rapidformer.errors.PeerLostError` naming the missing rank."""
+        with naming_lost_peers(self.config.parallel.distributed_timeout_minutes):
+            return self._fit()
+
+    def _fit(self) -> dict[str, float]:
         cfg, engine = self.config, self.engine
         seed_everything(cfg.training.seed)
         data = self.build_data()
@@ -169,6 +180,7 @@ class Trainer(ABC):
         )
         self.model = state.model
         progress = self._resume(state)
+        engine.guard.steps = progress.step
         logger = MetricsLogger(
             enabled=engine.is_main_process,
             log_interval=cfg.logging.log_interval,
@@ -178,18 +190,38 @@ class Trainer(ABC):
             start_step=progress.step,
             extras=self.extra_log_metrics,
         )
+        if cfg.checkpoint.save is None and engine.is_main_process:
+            log.warning(
+                "no --save: a stop signal (SIGTERM, SIGINT, SIGUSR1) ends this run without a "
+                "checkpoint; pass --save DIR to survive preemption"
+            )
+        signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
+        with signals, contextlib.closing(logger):
+            metrics = self._loop(state, progress, logger, total_steps)
+        state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
+        return metrics
+
+    def _loop(
+        self, state: TrainState, progress: Progress, logger: MetricsLogger, total_steps: int
+    ) -> dict[str, float]:
+        cfg, engine = self.config, self.engine
+        valid_loader = state.eval_dataloader
         step = self.step_functions()
         metrics: dict[str, float] = {}
         state.model.train()  # evaluate() switches to eval mode and back
         by_epoch = cfg.training.train_iters is None
         groups = step_batches(state, progress, total_steps, engine.accumulation_steps, by_epoch)
+        path, spikes = None, SpikeDetector()
         for group in groups:
             batches = [move_to_device(batch, self.device) for batch in group]
             result = engine.run_step(batches, step)
             progress.step += 1
             metrics = {"train_loss": result.loss}
             self._log_step(logger, progress.step, result, batches)
+            if not result.skipped:
+                spikes.report(progress.step, result.loss, engine.is_main_process)
             last_step = progress.step == total_steps
+            stopping = result.stop_requested and not last_step
             if valid_loader is not None and (
                 last_step or _due(progress.step, cfg.training.eval_interval)
             ):
@@ -197,12 +229,19 @@ class Trainer(ABC):
                 logger.write("eval", {"step": progress.step, **evaluation})
                 metrics.update(evaluation)
             if cfg.checkpoint.save and (
-                last_step or _due(progress.step, cfg.checkpoint.save_interval)
+                last_step or stopping or _due(progress.step, cfg.checkpoint.save_interval)
             ):
                 record = {**asdict(progress), "config": cfg.to_dict()}
-                save_checkpoint(cfg.checkpoint.save, progress.step, state, record)
-        logger.close()
-        state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
+                path = save_checkpoint(
+                    cfg.checkpoint.save, progress.step, state, record, keep=cfg.checkpoint.save_keep
+                )
+            if stopping:
+                signal = engine.guard.signals.received if engine.guard.signals else None
+                raise Preempted(
+                    f"stopped at step {progress.step} of {total_steps} by a stop signal "
+                    f"({signal or 'on another rank'}); checkpoint written to {path}. Rerun the "
+                    "same command to resume from it"
+                )
         return metrics
 
     def step_functions(self) -> StepFunctions:
@@ -230,7 +269,14 @@ class Trainer(ABC):
                 "to return the token count, e.g. (batch['labels'] != -100).sum(), and drop "
                 "num_tokens from train_step's output"
             )
-        return loss_of(output, "train_step")
+        loss = loss_of(output, "train_step")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise HookError(
+                f"{type(self).__name__}.train_step returned a loss without gradient "
+                "(requires_grad is False): compute it from self.model's outputs, without "
+                ".detach(), .item() or torch.no_grad()"
+            )
+        return loss
 
     def _log_step(
         self, logger: MetricsLogger, step: int, result: StepResult, batches: list[Any]
@@ -314,42 +360,7 @@ class Trainer(ABC):
         return training.epochs * -(-micro_batches // self.engine.accumulation_steps)
 
     def _resume(self, state: TrainState) -> Progress:
-        checkpoints = self.config.checkpoint
-        resumable = checkpoints.save and find_checkpoint(checkpoints.save)
-        upcycling = self.config.moe.moe_use_upcycling
-        if upcycling and not resumable:
-            return _upcycle_from(self, state)
-        # An upcycled run's --load is the dense model it started from: it resumes from --save.
-        source = checkpoints.save if upcycling else checkpoints.load or checkpoints.save
-        if source is None:
-            return Progress()
-        path = find_checkpoint(source)
-        if path is None:
-            if self.config.checkpoint.load is not None:
-                raise CheckpointError(
-                    f"--load {source}: no checkpoint there (no 'latest' file and no progress.json)"
-                )
-            return Progress()
-        saved = load_checkpoint(path, state)
-        if self.engine.is_main_process:
-            log.info("resumed from %s at step %d", path, saved["step"])
-        micro, dp = self.config.data.micro_batch_size, self.engine.dims.dp
-        consumed = consumed_here(saved, micro, dp)
-        return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
-
-
-def _upcycle_from(trainer: Trainer, state: TrainState) -> Progress:
-    """A fresh MoE run whose experts start from the dense checkpoint at --load."""
-    source = trainer.config.checkpoint.load
-    path = find_checkpoint(source) if source is not None else None
-    if path is None:
-        raise CheckpointError(
-            f"--moe-use-upcycling needs --load with a dense checkpoint; none at {source}"
-        )
-    load_upcycled(state, path)
-    if trainer.engine.is_main_process:
-        log.info("upcycled the dense checkpoint %s into the MoE model: a fresh run", path)
-    return Progress()
+        return resume(self.config, state, self.engine.dims.dp, self.engine.is_main_process)
 
 
 def _has_split_step(cls: type[Trainer]) -> bool:

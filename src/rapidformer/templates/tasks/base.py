@@ -77,7 +77,8 @@ def column(rows: HFDataset, candidates: Sequence[str], split: str, what: str) ->
             return name
     raise DataError(
         f"the {split} split has no {what} column: looked for {', '.join(candidates)}; "
-        f"its columns are {', '.join(rows.column_names)}"
+        f"its columns are {', '.join(rows.column_names)}. Fix: rename the column to "
+        f"{candidates[0]!r}"
     )
 
 
@@ -192,7 +193,8 @@ class Task:
                 where = row_of[row] if row_of is not None else row
                 raise DataError(
                     f"the {split} split has label {value!r} (row {where}) that the training "
-                    f"split does not have; known labels: {', '.join(self.labels)}"
+                    f"split does not have; known labels: {', '.join(self.labels)}. Fix: add "
+                    "training examples of it, or drop those rows"
                 )
             out.append(ids[key])
         return out

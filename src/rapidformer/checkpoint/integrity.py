@@ -1,0 +1,61 @@
+"""Each checkpoint's manifest: the size and SHA-256 of every file in it.
+
+Written last, once every rank's files are in the staging directory, and checked before a
+checkpoint is resumed from, so a truncated or corrupted file (a full disk, a copy that stopped
+half-way, bit rot) is found before any tensor is read, and the error names the file.
+Checkpoints written before manifests existed carry none and are trusted as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from rapidformer.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+
+
+def _digest(file: Path) -> str:
+    with open(file, "rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record every file under ``directory`` (but the manifest itself)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {
+        str(file.relative_to(directory)): {"size": file.stat().st_size, "sha256": _digest(file)}
+        for file in files
+    }
+    (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def damage(directory: Path) -> str | None:
+    """What is wrong with the checkpoint in ``directory`` (naming the file), or None when
+    every file its manifest lists is there, whole and unchanged."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"its manifest {manifest} is unreadable ({exc})"
+    for name, entry in entries.items():
+        file = directory / name
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"{file} is truncated or overwritten: {size} bytes, {entry['size']} expected"
+        if _digest(file) != entry["sha256"]:
+            return f"{file} is corrupted: its SHA-256 differs from the manifest's"
+    return None
+
+
+def verify(directory: Path) -> None:
+    """Raise a :class:`CheckpointError` naming the damaged file, if any."""
+    problem = damage(directory)
+    if problem is not None:
+        raise CheckpointError(f"the checkpoint {directory} is damaged: {problem}")

@@ -1,0 +1,84 @@
+"""Where a Trainer's run starts: its own last checkpoint, ``--load``, or an upcycled dense
+model; and, when a checkpoint does not fit the model, which flags differ from the ones that
+wrote it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rapidformer.checkpoint import PROGRESS, find_checkpoint, load_checkpoint
+from rapidformer.checkpoint.upcycle import load_upcycled
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.errors import CheckpointError
+from rapidformer.logging import log
+from rapidformer.state import TrainState
+from rapidformer.templates.progress import Progress, consumed_here
+
+
+def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) -> Progress:
+    """Restore ``state`` from the checkpoint the flags name (``--save`` resumes itself,
+    else ``--load``) and return the progress to continue from; a fresh Progress without."""
+    checkpoints = config.checkpoint
+    resumable = checkpoints.save and find_checkpoint(checkpoints.save)
+    upcycling = config.moe.moe_use_upcycling
+    if upcycling and not resumable:
+        return _upcycle_from(config, state, main)
+    # An upcycled run's --load is the dense model it started from: it resumes from --save.
+    source = checkpoints.save if upcycling else checkpoints.load or checkpoints.save
+    if source is None:
+        return Progress()
+    path = find_checkpoint(source)
+    if path is None:
+        if checkpoints.load is not None:
+            raise CheckpointError(
+                f"--load {source}: no checkpoint there (no 'latest' file and no "
+                f"{PROGRESS}). Fix: pass the --save directory of a run, or one of its iter_* "
+                "directories"
+            )
+        return Progress()
+    try:
+        saved = load_checkpoint(path, state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{_differences(path, config)}") from exc
+    if main:
+        log.info("resumed from %s at step %d", path, saved["step"])
+    consumed = consumed_here(saved, config.data.micro_batch_size, dp)
+    return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
+
+
+def _upcycle_from(config: RapidformerConfig, state: TrainState, main: bool) -> Progress:
+    """A fresh MoE run whose experts start from the dense checkpoint at --load."""
+    source = config.checkpoint.load
+    path = find_checkpoint(source) if source is not None else None
+    if path is None:
+        raise CheckpointError(
+            f"--moe-use-upcycling needs --load with a dense checkpoint; none at {source}"
+        )
+    load_upcycled(state, path)
+    if main:
+        log.info("upcycled the dense checkpoint %s into the MoE model: a fresh run", path)
+    return Progress()
+
+
+def _differences(path: Path, config: RapidformerConfig) -> str:
+    """The model and task flags whose values differ from those the checkpoint was written
+    with, as a sentence to append to the error (empty when none differ or none are known)."""
+    try:
+        saved: dict[str, Any] = json.loads((path / PROGRESS).read_text()).get("config", {})
+    except (OSError, ValueError):
+        return ""
+    now = config.to_dict()
+    changed = [
+        f"--{key.replace('_', '-')} {value!r} there, {now[section].get(key)!r} now"
+        for section in ("model", "training")
+        for key, value in saved.get(section, {}).items()
+        if key in ("task", *now["model"]) and now[section].get(key) != value
+    ]
+    if not changed:
+        return ". Fix: resume it with the flags that wrote it (its progress.json holds them)"
+    return (
+        f". It was written with other flags ({'; '.join(changed)}). Fix: resume it with those "
+        "flags, or start afresh with another --save"
+    )
