@@ -20,12 +20,19 @@ class _Failing(Dataset):
     def __len__(self) -> int:
         return 64
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> list[float]:
         if index == 37:
             if self.how == "raise":
                 raise ValueError("sample 37 is unreadable")
             os._exit(1)  # the worker dies without a word
-        return torch.full((4,), float(index))
+        # Plain values, not tensors: a tensor would travel as a shared file descriptor, which
+        # the main process then fails to fetch from the dead worker (an EOFError racing with
+        # torch's worker-death report).
+        return [float(index)] * 4
+
+
+def _as_lists(samples: list[list[float]]) -> list[list[float]]:
+    return samples
 
 
 @pytest.mark.parametrize(
@@ -37,7 +44,7 @@ class _Failing(Dataset):
 )
 def test_a_failing_worker_ends_the_loop_with_its_error(how: str, message: str) -> None:
     engine = RapidformerEngine(parse_args(["--micro-batch-size", "4", "--lr", "1e-3"]))
-    loader = DataLoader(_Failing(how), batch_size=4, num_workers=1)
+    loader = DataLoader(_Failing(how), batch_size=4, num_workers=1, collate_fn=_as_lists)
     state = engine.compose(torch.nn.Linear(4, 1), train_dataloader=loader)
     assert state.train_dataloader is not None and state.train_dataloader.num_workers == 1
     start = time.monotonic()

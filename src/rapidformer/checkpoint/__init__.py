@@ -149,7 +149,12 @@ def _publish(root: Path, staging: Path, final: Path, keep: int | None) -> None:
     aside = root / f"{ASIDE_PREFIX}{final.name}"
     if final.exists():  # the same step saved again (a resumed run redoing steps)
         os.replace(final, aside)
-    os.replace(staging, final)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if aside.exists() and not final.exists():
+            os.replace(aside, final)  # the old copy back where latest may point
+        raise
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
     os.replace(pointer, root / LATEST)  # the pointer moves only once the data is whole
