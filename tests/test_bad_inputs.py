@@ -476,3 +476,12 @@ def test_debug_prints_the_traceback(inputs: Inputs, capsys: pytest.CaptureFixtur
     assert main([*argv, "--debug"]) == 1
     error = capsys.readouterr().err
     assert "Traceback (most recent call last)" in error and "no such table" in error
+
+
+def test_the_data_file_checks_leave_parquet_alone(tmp_path: Path) -> None:
+    import datasets
+
+    from rapidformer.data.finetune_data import load_splits
+
+    datasets.Dataset.from_list(GOOD_ROWS).to_parquet(str(tmp_path / "train.parquet"))
+    assert len(load_splits(str(tmp_path))["train"]) == len(GOOD_ROWS)

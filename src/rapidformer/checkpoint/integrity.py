@@ -18,8 +18,11 @@ MANIFEST = "manifest.json"
 
 
 def _digest(file: Path) -> str:
+    digest = hashlib.sha256()  # in chunks: hashlib.file_digest needs Python 3.11
     with open(file, "rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
+        while chunk := stream.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_manifest(directory: Path) -> None:

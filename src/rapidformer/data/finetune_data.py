@@ -107,7 +107,11 @@ def _local(root: Path, data_name: str | None) -> dict[str, Dataset]:
 def _check_file(path: Path, split: str) -> None:
     """Name the file and line of what the datasets loader would report as an anonymous
     pyarrow error (a malformed JSON line) or a StopIteration (an empty file)."""
-    if path.stat().st_size == 0 or not path.read_text().strip():
+    if path.suffix not in (".json", ".jsonl", ".csv"):
+        return  # binary formats (parquet) carry their own structure
+    with open(path, "rb") as stream:
+        empty = not any(line.strip() for line in stream)
+    if empty:
         raise DataError(
             f"{path}: the file is empty, so the {split} split holds no rows. Fix: fill it, or "
             "remove it from --data-dir"

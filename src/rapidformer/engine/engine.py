@@ -121,7 +121,9 @@ class RapidformerEngine:
             env, self.device, config.parallel.distributed_timeout_minutes
         )
         self.mesh = ParallelMesh.build(self.dims, self.device.type)
-        self.guard = StepGuard(config.training.max_skipped_steps, self.mesh.group("world"))
+        self.guard = StepGuard(
+            config.training.max_skipped_steps, self.mesh.group("world"), self.device
+        )
         """Skips non-finite steps and shares stop requests (:mod:`rapidformer.reliability`)."""
         data = config.data
         self.accumulation_steps = self.dims.accumulation_steps(

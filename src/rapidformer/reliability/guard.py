@@ -48,9 +48,12 @@ class Verdict:
 class StepGuard:
     """Decides, with every rank, whether each step is applied; see the module docstring."""
 
-    def __init__(self, max_skipped_steps: int, group: process_group.Group) -> None:
+    def __init__(
+        self, max_skipped_steps: int, group: process_group.Group, device: torch.device
+    ) -> None:
         self.max_skipped_steps = max_skipped_steps
         self.group = group
+        self.device = device  # the flags live where the backend reduces (nccl: the GPU)
         self.signals: StopSignals | None = None
         """Set while a loop watches the stop signals (``Trainer.fit`` does)."""
         self.steps = 0
@@ -65,13 +68,11 @@ class StepGuard:
     def verdict(self, grad_norm: torch.Tensor | None) -> Verdict:
         """Every rank's reports summed (a collective: every rank calls it once per step)."""
         rank, world = process_group.rank(), process_group.world_size()
-        device = grad_norm.device if grad_norm is not None else torch.device("cpu")
-        flags = torch.zeros(world + 2, device=device)
+        flags = torch.zeros(world + 2, device=self.device)
         if self._loss is not None:
-            loss = self._loss.to(device)
-            flags[rank] = (~torch.isfinite(loss)).any().float()
+            flags[rank] = (~torch.isfinite(self._loss.to(self.device))).any().float()
         if grad_norm is not None:
-            flags[world] = (~torch.isfinite(grad_norm)).float()
+            flags[world] = (~torch.isfinite(grad_norm.to(self.device))).float()
         stop = self.signals is not None and self.signals.received is not None
         flags[world + 1] = float(stop)
         process_group.all_reduce_sum(flags, self.group)
