@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format docs bench clean
+.PHONY: install demo test test-fast lint format docs docs-site bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet torch==2.13.0
 	# The optional engines install too so that their tests run (DeepSpeed: a pure-Python wheel;
 	# onnxruntime-training: wheels for Python 3.10/3.11 only, skipped elsewhere by a marker).
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,deepspeed,onnx]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs,deepspeed,onnx]'
 	# Test-only reference: Megatron's own .bin/.idx reader and writer (pure Python; its
 	# dependencies would pull a CUDA stack, and the indexed-dataset module needs none of them).
 	$(PY) -m pip install --quiet --no-deps megatron-core==0.16.1
@@ -39,7 +39,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 	$(VENV)/bin/ruff format src tests examples benchmarks
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs-site
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -47,6 +47,11 @@ test-fast: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) -m rapidformer.config.docs docs/parameters.md
+
+# The docs site (mkdocs + Material over docs/, API pages from the docstrings) into site/;
+# --strict fails on a broken link, anchor, nav entry or docstring reference.
+docs-site: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
@@ -57,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/ort_training.py
+	$(PY) benchmarks/hf_architectures.py
 	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
 	$(PY) -m pip install --quiet -c constraints.txt accelerate
 	$(PY) benchmarks/finetune_vs_hf.py

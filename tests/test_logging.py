@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from rapidformer.templates.batches import batch_tokens
 from tests.conftest import tiny_trainer
 
 
@@ -41,3 +44,23 @@ def test_metrics_jsonl_and_tensorboard_agree(tmp_path: Path) -> None:
     assert [e.step for e in scalars] == [2, 4, 6]
     assert [e.value for e in scalars] == pytest.approx([r["loss"] for r in train], rel=1e-6)
     assert [e.step for e in events.Scalars("eval/eval_loss")] == [3, 6]
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens"),
+    [
+        (
+            {
+                "input_ids": torch.ones(2, 5),
+                "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]]),
+            },
+            7,
+        ),
+        ({"input_ids": torch.ones(2, 5), "labels": torch.tensor([[1, -100, 2, 3, -100]] * 2)}, 6),
+        ({"text": torch.zeros(3, 17, dtype=torch.long)}, 51),  # Megatron's GPT samples
+        ({"tokens": torch.zeros(2, 4, dtype=torch.long), "weights": torch.ones(2, 4)}, 8),
+        ({"pixels": torch.ones(2, 3, 4)}, 0),  # nothing that counts tokens
+    ],
+)
+def test_throughput_counts_the_tokens_a_batch_feeds(batch: dict[str, Any], tokens: int) -> None:
+    assert int(batch_tokens(batch)) == tokens

@@ -76,6 +76,20 @@ def test_load_from_an_explicit_iteration_directory(tmp_path: Path) -> None:
     assert read_losses(second)[10] == read_losses(first)[10]
 
 
+def test_rerunning_a_command_with_load_continues_from_its_own_save(tmp_path: Path) -> None:
+    # A run started from --load X and interrupted after writing its own checkpoint to --save Y
+    # is rerun as the same command: it continues from Y (step 5), not from X (step 10) again.
+    first, second = tmp_path / "first", tmp_path / "second"
+    tiny_trainer(*FLAGS, "--save", str(first)).fit()
+    _crashing_fit(second, crash_after_steps=7)  # its own run: a checkpoint at step 5 in Y
+    more = [*FLAGS[:1], "20", *FLAGS[2:]]
+    tiny_trainer(*more, "--save", str(second), "--load", str(first)).fit()
+    losses = read_losses(second)
+    assert find_checkpoint(second) == second / "iter_0000020"
+    # From Y's step 5: steps 6.. logged again after the crash; from X it would start at 11.
+    assert min(step for step in losses if step > 5) == 6 and 11 in losses
+
+
 def test_load_without_a_checkpoint_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         tiny_trainer(*FLAGS, "--load", str(tmp_path)).fit()

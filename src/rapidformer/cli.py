@@ -16,19 +16,23 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.distributed import process_group
-from rapidformer.engine.validation import validate
 from rapidformer.errors import ConfigError, Preempted, RapidformerError, Violation, exit_code_of
-from rapidformer.logging import log, setup_console_logging
-from rapidformer.templates.trainer import Trainer
+
+# torch loads only once the flags have parsed: `rapidformer --help` and a bad flag answer in a
+# fraction of a second (tests/test_cli.py times it).
+if TYPE_CHECKING:
+    from rapidformer.templates.trainer import Trainer
 
 
 def load_trainer_class(script: str) -> type[Trainer]:
     """The one concrete Trainer subclass defined in ``script``."""
+    from rapidformer.templates.trainer import Trainer
+
     path = Path(script)
     if not path.is_file():
         raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
@@ -78,6 +82,8 @@ def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
 
 def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
     """The Trainer class to run, after checking the flags: every problem at once."""
+    from rapidformer.engine.validation import validate
+
     violations: list[Violation] = []
     trainer_class: type[Trainer] | None = None
     try:
@@ -96,11 +102,15 @@ def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code (see ``rapidformer.errors.EXIT_CODES``)."""
+    from rapidformer.logging import log, setup_console_logging
+
     setup_console_logging()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
         config = parse_args(args)
+        from rapidformer.distributed import process_group
+
         trainer = checked_trainer_class(config)(config)
         try:
             metrics = trainer.fit()

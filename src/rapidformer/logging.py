@@ -10,9 +10,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI parses first)
+    import torch
 
 log = logging.getLogger("rapidformer")
 
@@ -30,6 +31,8 @@ def setup_console_logging() -> None:
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak accelerator memory allocated, or this process's peak resident set on the CPU."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 

@@ -13,9 +13,9 @@ import difflib
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
@@ -98,12 +98,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> RapidformerConfig:
     """Parse command-line flags (and the ``--config`` file they name) into a config."""
-    namespace = vars(build_parser().parse_args(argv))
+    return parse_args_with_extras(argv)[0]
+
+
+ArgsProvider = Callable[[argparse.ArgumentParser], Any]
+"""Adds a script's own flags to the parser (Megatron's ``extra_args_provider``)."""
+
+
+def parse_args_with_extras(
+    argv: Sequence[str] | None = None, extra_args_provider: ArgsProvider | None = None
+) -> tuple[RapidformerConfig, dict[str, Any]]:
+    """Like :func:`parse_args`, with the flags ``extra_args_provider(parser)`` adds returned
+    apart (by destination; None when not given and without a default)."""
+    parser = build_parser()
+    before = set(map(id, parser._actions))
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    extra_dests = [a.dest for a in parser._actions if id(a) not in before and a.dest != "help"]
+    namespace = vars(parser.parse_args(argv))
+    extras = {dest: namespace.pop(dest, None) for dest in extra_dests}
     config_file = namespace.pop("config", None)
     values: dict[str, object] = load_file(config_file) if config_file else {}
     values = flatten(values)
     values.update(namespace)
-    return config_from_dict(values)
+    return config_from_dict(values), extras
 
 
 def load_file(path: str | Path) -> dict[str, object]:

@@ -240,8 +240,8 @@ def train_tokenizer(
     texts: Iterable[str], tokenizer_type: str, out_dir: str, vocab_size: int = 1000
 ) -> tuple[str, str | None]:
     """Train a small vocabulary of ``tokenizer_type`` on ``texts`` (offline; for tests and demos)
-    and write it to ``out_dir``: ``vocab.txt`` for BERT (with [PAD] [UNK] [CLS] [SEP] [MASK] as
-    ids 0-4), ``vocab.json`` + ``merges.txt`` for GPT-2 (with <|endoftext|> as id 0).
+    and write it to ``out_dir``: ``vocab.txt`` for BERT (with ``[PAD] [UNK] [CLS] [SEP] [MASK]``
+    as ids 0-4), ``vocab.json`` + ``merges.txt`` for GPT-2 (with ``<|endoftext|>`` as id 0).
     Returns ``(vocab_file, merge_file or None)``, ready for :func:`build_tokenizer`."""
     _check_type(tokenizer_type)
     os.makedirs(out_dir, exist_ok=True)

@@ -2,7 +2,16 @@
 each optimizer step through the train state's slots."""
 
 from rapidformer.engine.engine import RapidformerEngine, StepResult
+from rapidformer.engine.loops import steps_of
 from rapidformer.engine.validation import validate
 from rapidformer.state import PlanStep, StepFunctions, TrainState
 
-__all__ = ["PlanStep", "RapidformerEngine", "StepFunctions", "StepResult", "TrainState", "validate"]
+__all__ = [
+    "PlanStep",
+    "RapidformerEngine",
+    "StepFunctions",
+    "StepResult",
+    "TrainState",
+    "steps_of",
+    "validate",
+]

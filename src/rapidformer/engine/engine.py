@@ -5,7 +5,7 @@ The three ways into rapidformer (CLI, templates, a hand-written loop) all end he
 
     engine = RapidformerEngine(config)
     state = engine.compose(model, train_dataloader=loader)
-    for batches in steps_of(state.train_dataloader, engine.accumulation_steps):
+    for batches in steps_of(state.train_dataloader, engine.accumulation_steps):  # engine.loops
         result = engine.run_step(batches, StepFunctions(train_step=loss_of, weight=units_of))
 
 A step counts before it computes: ``weight(batch)`` gives each micro-batch's units (samples or

@@ -49,15 +49,20 @@ def batch_size(batch: Any) -> int:
 def batch_tokens(batch: Any) -> torch.Tensor | int:
     """Tokens a batch feeds the model, for throughput (on the batch's device, no host sync):
     the real tokens of its ``attention_mask``, else its labels that are not ignored, else the
-    elements of its ``input_ids``; 0 for a batch that has none of them."""
+    elements of its ``input_ids`` (or Megatron's ``text``, or else its first integer tensor of
+    two or more dimensions); 0 for a batch that has none of them."""
     if not isinstance(batch, Mapping):
         return 0
     if isinstance(batch.get("attention_mask"), torch.Tensor):
         return batch["attention_mask"].sum()
     if isinstance(batch.get("labels"), torch.Tensor):
         return (batch["labels"] != IGNORE_INDEX).sum()
-    if isinstance(batch.get("input_ids"), torch.Tensor):
-        return batch["input_ids"].numel()
+    for key in ("input_ids", "text"):
+        if isinstance(batch.get(key), torch.Tensor):
+            return batch[key].numel()
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and not value.is_floating_point():
+            return value.numel()
     return 0
 
 

@@ -44,6 +44,7 @@ from rapidformer.distributed import process_group
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.logging import log
 from rapidformer.state import ModelInputs, call_model
+from rapidformer.templates.architectures import model_kwargs_for, task_violation
 from rapidformer.templates.tasks import TASKS, Features, Task, canonical_task, task_for
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
@@ -220,8 +221,12 @@ class Finetuner(Trainer):
                     f"pass {_FLAG} DIR (a directory written by save_pretrained)",
                 )
             )
+        path = config.model.pretrained_model_name_or_path
         if cls.build_model is Finetuner.build_model:
             violations += _model_parallel_violations(config)
+            if path is not None and task is not None and canonical_task(task) in TASKS:
+                unsupported = task_violation(path, task)
+                violations += [unsupported] if unsupported else []
         if cls.build_data is Finetuner.build_data and config.data.data_dir is None:
             violations.append(
                 Violation(
@@ -264,6 +269,7 @@ class Finetuner(Trainer):
         kwargs = self.task.model_kwargs()
         if kwargs:  # a new label set replaces a pretrained classifier of another size
             kwargs["ignore_mismatched_sizes"] = True
+        kwargs.update(model_kwargs_for(path, self.task_key))
         tp_mesh = self.engine.mesh.submesh("tp")
         if tp_mesh is not None:
             # The model's own plan (base_model_tp_plan), applied while loading: each rank

@@ -21,22 +21,24 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     """Restore ``state`` from the checkpoint the flags name (``--save`` resumes itself,
     else ``--load``) and return the progress to continue from; a fresh Progress without."""
     checkpoints = config.checkpoint
-    resumable = checkpoints.save and find_checkpoint(checkpoints.save)
-    upcycling = config.moe.moe_use_upcycling
-    if upcycling and not resumable:
+    resumable = find_checkpoint(checkpoints.save) if checkpoints.save else None
+    if resumable is not None:
+        # The run's own checkpoint wins over --load: rerunning a preempted command that
+        # started from --load X continues from its --save, not from X again. (An upcycled
+        # run's --load is the dense model it started from.)
+        path = resumable
+    elif config.moe.moe_use_upcycling:
         return _upcycle_from(config, state, main)
-    # An upcycled run's --load is the dense model it started from: it resumes from --save.
-    source = checkpoints.save if upcycling else checkpoints.load or checkpoints.save
-    if source is None:
-        return Progress()
-    path = find_checkpoint(source)
-    if path is None:
-        if checkpoints.load is not None:
+    elif checkpoints.load is not None:
+        found = find_checkpoint(checkpoints.load)
+        if found is None:
             raise CheckpointError(
-                f"--load {source}: no checkpoint there (no 'latest' file and no "
+                f"--load {checkpoints.load}: no checkpoint there (no 'latest' file and no "
                 f"{PROGRESS}). Fix: pass the --save directory of a run, or one of its iter_* "
                 "directories"
             )
+        path = found
+    else:
         return Progress()
     try:
         saved = load_checkpoint(path, state)

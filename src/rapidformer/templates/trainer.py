@@ -136,6 +136,11 @@ class Trainer(ABC):
         called), or None for the one ``--optimizers`` names."""
         return None
 
+    def _prebuilt_optimizer(self) -> Optimizer | None:
+        """An optimizer that exists before compose() (compatibility layers whose users build
+        it next to the model); compose() rebuilds it if sharding replaces the parameters."""
+        return None
+
     def build_lr_scheduler(self, optimizer: Optimizer, total_steps: int) -> LRScheduler:
         """Warmup and decay as ``--lr-warmup-*`` and ``--lr-decay-style`` say."""
         return build_lr_scheduler(optimizer, self.config, total_steps)
@@ -173,6 +178,7 @@ class Trainer(ABC):
         total_steps = self._total_steps(train_loader)
         state = engine.compose(
             model,
+            optimizer=self._prebuilt_optimizer(),
             train_dataloader=train_loader,
             eval_dataloader=valid_loader,
             lr_scheduler_fn=lambda optimizer: self.build_lr_scheduler(optimizer, total_steps),

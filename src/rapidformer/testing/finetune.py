@@ -1,9 +1,7 @@
-"""Tiny pretrained-model directories and small fine-tuning datasets, all made offline.
+"""Small fine-tuning datasets, made offline, for the tiny models of
+:mod:`rapidformer.testing.families` (:func:`tiny_model` is re-exported here).
 
-:func:`tiny_model` trains a tokenizer on the generated grammar of
-:mod:`rapidformer.testing.corpus` and saves a randomly initialised BERT, GPT-2 or T5 (2 layers,
-hidden 32 by default) with it, as ``save_pretrained`` would for a real checkpoint, so that
-``--pretrained-model-name-or-path DIR`` works without the hub. :func:`task_dataset` writes
+:func:`task_dataset` writes
 ``train.jsonl`` and ``validation.jsonl`` for each fine-tuning task, built so that a tiny model
 can learn them in a few hundred steps (tests check learning, not just running):
 
@@ -20,161 +18,15 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rapidformer.testing.corpus import OBJECTS, PLACES, SUBJECTS, VERBS, synthetic_documents
+from rapidformer.testing.corpus import OBJECTS, PLACES, SUBJECTS, VERBS
+from rapidformer.testing.families import MODEL_KINDS, tiny_model
 
-MODEL_KINDS = ("bert", "gpt2", "t5", "llama", "mixtral", "qwen3_moe")
+__all__ = ["CLASS_VERBS", "MODEL_KINDS", "task_dataset", "task_rows", "tiny_model"]
+
 CLASS_VERBS = VERBS[:4]
-
-
-def _texts(seed: int) -> list[str]:
-    questions = [f"Where is {s}?" for s in SUBJECTS]
-    return synthetic_documents(300, seed=seed) + questions
-
-
-def tiny_model(
-    kind: str,
-    out_dir: str | Path,
-    *,
-    hidden: int = 32,
-    layers: int = 2,
-    heads: int = 4,
-    dropout: float = 0.0,
-    max_positions: int = 128,
-    vocab_size: int = 300,
-    seed: int = 0,
-) -> Path:
-    """Save a random ``kind`` model ("bert", "gpt2" or "t5") and its tokenizer to ``out_dir``."""
-    import torch
-    import transformers
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(kind, out / "vocab", vocab_size, seed)
-    torch.manual_seed(seed)
-    vocab = len(tokenizer)
-    model: Any
-    if kind == "bert":
-        model = transformers.BertForMaskedLM(
-            transformers.BertConfig(
-                vocab_size=vocab,
-                hidden_size=hidden,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                intermediate_size=2 * hidden,
-                max_position_embeddings=max_positions,
-                hidden_dropout_prob=dropout,
-                attention_probs_dropout_prob=dropout,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-    elif kind == "gpt2":
-        model = transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(
-                vocab_size=vocab,
-                n_embd=hidden,
-                n_layer=layers,
-                n_head=heads,
-                n_positions=max_positions,
-                resid_pdrop=dropout,
-                embd_pdrop=dropout,
-                attn_pdrop=dropout,
-                bos_token_id=tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-    elif kind in _DECODERS:
-        # Llama ships a tensor-parallel plan (base_model_tp_plan); Mixtral and Qwen3-MoE are
-        # sparse MoE models (4 experts, top-2) that return a router loss.
-        model_class, config_class, extra = _DECODERS[kind]
-        decoder: dict[str, Any] = {
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": 2 * hidden,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": heads // 2,
-            "max_position_embeddings": max_positions,
-            "attention_dropout": dropout,
-            "bos_token_id": tokenizer.eos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-        config = getattr(transformers, config_class)(**decoder, **extra(hidden, heads))
-        model = getattr(transformers, model_class)(config)
-    elif kind == "t5":
-        config = transformers.T5Config(
-            vocab_size=vocab,
-            d_model=hidden,
-            d_kv=hidden // heads,
-            d_ff=2 * hidden,
-            num_layers=layers,
-            num_heads=heads,
-            dropout_rate=dropout,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        config.decoder_start_token_id = tokenizer.pad_token_id  # T5 starts decoding at pad
-        model = transformers.T5ForConditionalGeneration(config)
-    else:
-        raise ValueError(f"unknown tiny model kind {kind!r}; use one of {MODEL_KINDS}")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(str(out))
-    return out
-
-
-_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
-_DECODERS: dict[str, tuple[str, str, Callable[[int, int], dict[str, Any]]]] = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", lambda hidden, heads: {}),
-    "mixtral": (
-        "MixtralForCausalLM",
-        "MixtralConfig",
-        lambda hidden, heads: {"num_local_experts": 4, **_MOE},
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeForCausalLM",
-        "Qwen3MoeConfig",
-        lambda hidden, heads: {
-            "num_experts": 4,
-            "moe_intermediate_size": hidden,
-            "head_dim": hidden // heads,
-            **_MOE,
-        },
-    ),
-}
-"""Decoder-only causal LMs built from the same shape: model class, config class, extras."""
-
-
-def _tokenizer(kind: str, vocab_dir: Path, vocab_size: int, seed: int) -> Any:
-    from rapidformer.data.tokenizers import build_tokenizer, train_tokenizer
-
-    texts = _texts(seed)
-    if kind in ("bert", "gpt2", "llama", "mixtral", "qwen3_moe"):
-        name = "BertWordPieceLowerCase" if kind == "bert" else "GPT2BPETokenizer"
-        vocab, merges = train_tokenizer(texts, name, str(vocab_dir), vocab_size=vocab_size)
-        return build_tokenizer(name, vocab, merges).to_hf()
-    # T5: a WordPiece vocabulary (no sentencepiece needed) with T5's special tokens: <pad> = 0
-    # (also the decoder's start token), </s> = 1 appended to every sequence, <unk> = 2.
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers.trainers import WordPieceTrainer
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordPiece(unk_token="<unk>"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece()
-    trainer = WordPieceTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"])
-    backend.train_from_iterator(texts, trainer)
-    backend.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    )
 
 
 def _sentence(rng: random.Random, verb: str | None = None) -> tuple[str, str, str]:

@@ -1,0 +1,48 @@
+"""rapidformer.launch: several processes from inside one Python process (a notebook's way to
+data parallelism). ZeRO-2 on 2 launched processes must reproduce the 1-process fp32 run."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pytest
+
+import rapidformer
+from tests.distributed.parity import PARITY, train_gpt
+
+
+def _zero2_run(layout: dict[str, Any]) -> dict[str, Any]:
+    result = train_gpt(layout, steps=10)
+    return {**result, "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"])}
+
+
+def _fails_on_rank_1() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 has bad data")
+
+
+@pytest.mark.distributed
+def test_zero2_on_two_launched_processes_matches_the_one_process_run() -> None:
+    reference = train_gpt({}, steps=10)  # this process, fp32, no process group
+    launched = rapidformer.launch(
+        _zero2_run, ({"zero_2_memory_optimization": True},), num_processes=2
+    )
+    assert (launched["rank"], launched["world"]) == (0, 2)  # rank 0's result comes back
+    assert any("ZeRO-2" in step or "zero-2" in step.lower() for step in launched["plan"])
+    gap = max(abs(a - b) for a, b in zip(reference["losses"], launched["losses"], strict=True))
+    print(f"launch ZeRO-2 x2 vs 1 process: max loss gap {gap:.2e}; {launched['memory']}")
+    assert gap <= PARITY
+    # Gradients and optimizer state are sharded: this rank's memory report says so.
+    for held in ("gradients", "optimizer state"):
+        assert re.search(held + r" [\d.]+ MiB \(0\.50x\)", launched["memory"]), launched["memory"]
+    assert "RANK" not in os.environ or os.environ["RANK"] != "0"  # the caller's env is intact
+
+
+@pytest.mark.distributed
+def test_an_error_in_one_launched_process_reaches_the_caller() -> None:
+    with pytest.raises(Exception, match="rank 1 has bad data"):
+        rapidformer.launch(_fails_on_rank_1, num_processes=2)
+    with pytest.raises(ValueError, match="num_processes=0"):
+        rapidformer.launch(_fails_on_rank_1, num_processes=0)
