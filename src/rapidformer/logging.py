@@ -83,43 +83,61 @@ class MetricsLogger:
         self,
         step: int,
         *,
-        loss: float,
+        loss: float | torch.Tensor,
         lr: float,
-        grad_norm: float,
+        grad_norm: float | torch.Tensor,
         samples: int,
         tokens: torch.Tensor | int,
         skipped: bool,
-    ) -> None:
-        """Record one optimizer step (call on every rank; only rank 0 writes)."""
+    ) -> list[tuple[int, float, bool]] | None:
+        """Record one optimizer step (call on every rank; only rank 0 writes). Loss, gradient
+        norm and tokens may be device tensors: they are read to the host once per logged
+        window, all in one copy, never at the other steps. Returns, at a logged step, the
+        window's ``(step, loss, skipped)`` as host numbers (e.g. for the spike check), else
+        None."""
+        self._window.append((step, loss, skipped))
         self._samples += samples
-        self._tokens = self._tokens + tokens  # may stay a device tensor until it is logged
-        self._loss += loss
-        self._steps += 1
-        self._skipped += int(skipped)
+        self._tokens = self._tokens + tokens
         if self._bar is not None:
             self._bar.update(1)
         if step % self.log_interval and step != self.total_steps:
-            return
+            return None
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        values = self._read([*(entry[1] for entry in self._window), grad_norm, self._tokens])
+        losses, norm, tokens_read = values[:-2], values[-2], values[-1]
+        window = [(s, value, k) for (s, _, k), value in zip(self._window, losses, strict=True)]
         record = {
             "step": step,
-            "loss": self._loss / self._steps,
+            "loss": sum(losses) / len(losses),
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": norm,
             "samples_per_s": self._samples / elapsed,
-            "tokens_per_s": float(self._tokens) / elapsed,
+            "tokens_per_s": tokens_read / elapsed,
             "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
         }
-        if self._skipped:
-            record["skipped_steps"] = self._skipped  # in this window; each is logged with why
+        skipped_steps = sum(k for _, _, k in window)
+        if skipped_steps:
+            record["skipped_steps"] = skipped_steps  # in this window; each is logged with why
         if self.extras is not None:
             record.update(self.extras())
         self.write("train", record)
         self._reset_window()
+        return window
+
+    def _read(self, values: list[float | int | torch.Tensor]) -> list[float]:
+        """Host copies of ``values`` in one device-to-host transfer (float64: token counts of
+        a long window stay exact)."""
+        import torch
+
+        on_device = [
+            torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values
+        ]
+        return [float(v) for v in torch.stack(on_device).tolist()]
 
     def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
-        self._samples, self._loss, self._steps, self._skipped = 0, 0.0, 0, 0
+        self._window: list[tuple[int, float | torch.Tensor, bool]] = []
+        self._samples = 0
         self._tokens = 0
 
     def write(self, kind: str, record: dict[str, Any]) -> None:

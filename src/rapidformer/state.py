@@ -97,8 +97,9 @@ def whole(tensor: Any) -> Any:
 class StepOutcome:
     """What the stepper did with one step's gradients."""
 
-    grad_norm: float
-    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step)."""
+    grad_norm: float | torch.Tensor
+    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step); a 0-dim
+    device tensor where the stepper computed it (reading it would wait for the device)."""
     lr: float
     """Learning rate the step used."""
     skipped: bool

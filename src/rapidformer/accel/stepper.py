@@ -202,7 +202,7 @@ class TorchStepper:
         if skipped and scaler is not None and not verdict.nonfinite_loss_ranks:
             reason = f"fp16 gradients overflowed, loss scale lowered to {scaler.get_scale():g}"
         return StepOutcome(
-            grad_norm=float(grad_norm), lr=lr, skipped=skipped, stop=verdict.stop, reason=reason
+            grad_norm=grad_norm.detach(), lr=lr, skipped=skipped, stop=verdict.stop, reason=reason
         )
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:

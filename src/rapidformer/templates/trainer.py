@@ -218,14 +218,17 @@ class Trainer(ABC):
         by_epoch = cfg.training.train_iters is None
         groups = step_batches(state, progress, total_steps, engine.accumulation_steps, by_epoch)
         path, spikes = None, SpikeDetector()
+        result: StepResult | None = None
         for group in groups:
             batches = [move_to_device(batch, self.device) for batch in group]
             result = engine.run_step(batches, step)
             progress.step += 1
-            metrics = {"train_loss": result.loss}
-            self._log_step(logger, progress.step, result, batches)
-            if not result.skipped:
-                spikes.report(progress.step, result.loss, engine.is_main_process)
+            evaluation: dict[str, float] = {}
+            # No host read of the step's numbers here: the logger reads a window at a time.
+            window = self._log_step(logger, progress.step, result, batches)
+            for logged_step, loss, skipped in window or ():
+                if not skipped:
+                    spikes.report(logged_step, loss, engine.is_main_process)
             last_step = progress.step == total_steps
             stopping = result.stop_requested and not last_step
             if valid_loader is not None and (
@@ -233,7 +236,6 @@ class Trainer(ABC):
             ):
                 evaluation = self.evaluate(state)
                 logger.write("eval", {"step": progress.step, **evaluation})
-                metrics.update(evaluation)
             if cfg.checkpoint.save and (
                 last_step or stopping or _due(progress.step, cfg.checkpoint.save_interval)
             ):
@@ -248,7 +250,9 @@ class Trainer(ABC):
                     f"({signal or 'on another rank'}); checkpoint written to {path}. Rerun the "
                     "same command to resume from it"
                 )
-        return metrics
+        if result is None:
+            return metrics
+        return {"train_loss": result.loss, **evaluation}
 
     def step_functions(self) -> StepFunctions:
         """The micro-step the engine runs: this Trainer's hooks (the split form too when it
@@ -286,16 +290,16 @@ class Trainer(ABC):
 
     def _log_step(
         self, logger: MetricsLogger, step: int, result: StepResult, batches: list[Any]
-    ) -> None:
+    ) -> list[tuple[int, float, bool]] | None:
         dp = self.engine.dims.dp  # equal shares per rank: global counts are dp x local ones
         tokens: torch.Tensor | int = 0
         for batch in batches:
             tokens = tokens + batch_tokens(batch)  # on the device: no host sync here
-        logger.step(
+        return logger.step(
             step,
-            loss=result.loss,
+            loss=result.loss_tensor,
             lr=result.lr,
-            grad_norm=result.grad_norm,
+            grad_norm=result.grad_norm_tensor,
             samples=sum(batch_size(batch) for batch in batches) * dp,
             tokens=tokens * dp,
             skipped=result.skipped,
