@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI parses first)
     import torch
 
+    from rapidformer.flops import MfuMeter
+
 log = logging.getLogger("rapidformer")
 
 
@@ -52,10 +54,13 @@ class MetricsLogger:
         device: torch.device,
         start_step: int = 0,
         extras: Callable[[], dict[str, Any]] | None = None,
+        mfu: MfuMeter | None = None,
     ) -> None:
         """``extras()`` adds fields to every logged line (e.g. MoE routing statistics); it is
-        called on every rank at each logged step, so it may reduce over ranks."""
+        called on every rank at each logged step, so it may reduce over ranks. ``mfu`` turns
+        the tokens/s into achieved TFLOP/s per device and MFU."""
         self.enabled = enabled
+        self.mfu = mfu
         self.extras = extras
         self.log_interval = log_interval
         self.total_steps = total_steps
@@ -113,8 +118,10 @@ class MetricsLogger:
             "grad_norm": norm,
             "samples_per_s": self._samples / elapsed,
             "tokens_per_s": tokens_read / elapsed,
-            "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
         }
+        if self.mfu is not None:
+            record.update(self.mfu.fields(tokens_read / elapsed))
+        record["peak_memory_mb"] = peak_memory_bytes(self.device) / 2**20
         skipped_steps = sum(k for _, _, k in window)
         if skipped_steps:
             record["skipped_steps"] = skipped_steps  # in this window; each is logged with why

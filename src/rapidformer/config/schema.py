@@ -307,7 +307,11 @@ class LoggingConfig:
     """What rank 0 reports while training."""
 
     log_interval: int = 100
-    """Log loss, learning rate, gradient norm, throughput and memory every this many steps."""
+    """Log loss, learning rate, gradient norm, throughput, MFU and memory every this many
+    steps."""
+    peak_tflops: float | None = None
+    """One device's peak TFLOP/s in the run's precision, the MFU denominator; default: a table
+    of GPUs by name, or on a CPU a short matrix-multiply probe at start (its measured rate)."""
     debug: bool = False
     """Print the Python traceback of an error that ends a run (also RAPIDFORMER_DEBUG=1);
     by default the command prints one message naming the input and the fix."""

@@ -181,6 +181,11 @@ def _schedule(config: RapidformerConfig, context: RunContext) -> Iterator[Violat
         yield Violation(
             "--clip-grad", training.clip_grad, "must be >= 0 (0 disables clipping)", "e.g. 1.0"
         )
+    peak = config.logging.peak_tflops
+    if peak is not None and not peak > 0:
+        yield Violation(
+            "--peak-tflops", peak, "must be > 0", "e.g. 989 (an H100's dense bf16), or drop it"
+        )
 
 
 def _model_shape(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:

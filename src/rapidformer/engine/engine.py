@@ -42,6 +42,8 @@ from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.engine.order import CANONICAL_ORDER
 from rapidformer.engine.validation import validate
 from rapidformer.errors import Violation
+from rapidformer.flops import MfuMeter, mfu_meter
+from rapidformer.hardware import Peak, device_peak, precision_support
 from rapidformer.logging import log, setup_console_logging
 from rapidformer.memory import describe
 from rapidformer.reliability.guard import StepGuard
@@ -152,6 +154,9 @@ class RapidformerEngine:
             data.micro_batch_size, data.global_batch_size
         )
         self.state: TrainState | None = None
+        self.mfu: MfuMeter | None = None
+        """FLOPs per token and the peak, once compose() has the model (MFU in the logs)."""
+        self.peak = Peak(None, "not measured on this rank (rank 0 logs)")
         self._late = _LateWeights(self.device)
         self._late.last_armed = self.accumulation_steps == 1
 
@@ -203,8 +208,27 @@ class RapidformerEngine:
         self.state = state
         self._late.reset()
         self._arm(self.accumulation_steps == 1)
+        self.mfu = self._mfu_meter(state)
         self.log_plan()
         return state
+
+    def _mfu_meter(self, state: TrainState) -> MfuMeter:
+        """FLOPs per token of the composed model and this device's peak (only rank 0 logs, so
+        only rank 0 probes a CPU's matrix rate)."""
+        config = self.config
+        precision = config.precision.resolved
+        peak = None
+        if self.is_main_process:
+            self.peak = device_peak(self.device, precision, config.logging.peak_tflops)
+            peak = self.peak.tflops
+        model = state.unwrapped_model
+        shape_config = getattr(model, "config", None)
+        seq = config.model.seq_length or _first_int(
+            shape_config, "max_position_embeddings", "n_positions"
+        )
+        return mfu_meter(
+            model, seq, config.memory.checkpoint_activations, peak, self.env.world_size
+        )
 
     def log_plan(self) -> None:
         state = self._require_state()
@@ -221,6 +245,27 @@ class RapidformerEngine:
         )
         held, ddp = state.stepper.expected_bytes(state)
         log.info("model state on rank 0: %s", describe(held, ddp))
+        precision = self.config.precision.resolved
+        support, hint = precision_support(self.device, precision)
+        peak = self.peak
+        peak_text = f"{peak.tflops:.3g} TFLOP/s per device" if peak.tflops else "unknown"
+        meter = self.mfu if self.mfu is not None else self._mfu_meter(state)
+        per_token = meter.per_token
+        recompute = (
+            f", {per_token.hardware:.3g} with the recomputed forward" if meter.recompute else ""
+        )
+        log.info(
+            "hardware: %s; %s peak %s (%s); model FLOPs per token %.3g%s (%s)",
+            support,
+            precision,
+            peak_text,
+            peak.source,
+            per_token.model,
+            recompute,
+            meter.basis,
+        )
+        if hint:
+            log.warning("precision: %s", hint)
 
     # ---- one optimizer step, counted before it is computed --------------------------------
     def run_step(self, batches: Sequence[Any], step: StepFunctions) -> StepResult:
@@ -354,6 +399,14 @@ class RapidformerEngine:
         self._late.last_armed = last
         if self.state is not None:
             self.state.forward_backward.arm(self.state, last)
+
+
+def _first_int(config: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
 
 
 def _result(outcome: StepOutcome, loss_sum: torch.Tensor, weight: torch.Tensor) -> StepResult:

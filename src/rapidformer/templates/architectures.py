@@ -57,6 +57,11 @@ def head_class(model_type: str, auto_class: str) -> str | None:
     return value if isinstance(value, str) else None  # a few map to tuples (no such task here)
 
 
+def _known(model_type: str) -> bool:
+    names = importlib.import_module("transformers.models.auto.configuration_auto")
+    return model_type in names.CONFIG_MAPPING_NAMES
+
+
 def _encoder_decoder(model_type: str) -> bool:
     return head_class(model_type, "AutoModelForSeq2SeqLM") is not None
 
@@ -82,8 +87,8 @@ def task_violation(path: str, task: str) -> Violation | None:
     from rapidformer.templates.tasks import task_for
 
     model_type = model_type_of(path)
-    if model_type is None or supports(model_type, task):
-        return None
+    if model_type is None or not _known(model_type) or supports(model_type, task):
+        return None  # an architecture transformers does not know: loading it says so
     auto_class = task_for(task).auto_class
     if head_class(model_type, auto_class):
         why = (

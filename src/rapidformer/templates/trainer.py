@@ -195,6 +195,7 @@ class Trainer(ABC):
             device=self.device,
             start_step=progress.step,
             extras=self.extra_log_metrics,
+            mfu=engine.mfu,
         )
         if cfg.checkpoint.save is None and engine.is_main_process:
             log.warning(
