@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/ort_training.py
 	$(PY) benchmarks/hf_architectures.py
+	$(PY) benchmarks/precision.py
 	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
 	$(PY) -m pip install --quiet -c constraints.txt accelerate
 	$(PY) benchmarks/finetune_vs_hf.py

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU suite (benchmarks/gpu/suite.py): one prepared run of a few minutes on one GPU.
+#   benchmarks/gpu/run.sh            # full shapes; results in $OUT (default benchmarks/results/gpu)
+#   benchmarks/gpu/run.sh --dry-run  # the same code paths on tiny shapes (CPU, < 2 min; CI runs it)
+# Uses .venv when there is one, else the python3 on PATH with the package from src/.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/results/gpu}
+PY=python3
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+# Compiled kernels are cached next to the results: the second compiled variant reuses them.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$OUT/inductor-cache}
+"$PY" - <<'PY'
+import torch
+print(f"torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+PY
+exec "$PY" benchmarks/gpu/suite.py --out "$OUT" "$@"

@@ -1,0 +1,302 @@
+"""The GPU suite: every figure docs/benchmarks.md waits for, in one run of a few minutes.
+
+Sections (each timed, each failing on its own without stopping the others):
+
+1. ``precision``: BERT-base (12 layers, hidden 768) pretraining-shaped MLM steps in fp32, fp16
+   and bf16: samples/s, ratio to fp32, peak memory (the reference tool's table; its anchor:
+   1.73x for mixed precision).
+2. ``gpt``: GPT-350M (24 x 1024) and GPT-1.3B (24 x 2048), bf16, fused AdamW, at sequence
+   length 1024: eager, ``--torch-compile``, ``--checkpoint-activations`` and both: tokens/s,
+   TFLOP/s, MFU, peak memory.
+3. ``optimizers``: one ``optimizer.step()`` over GPT-350M's parameters: fused AdamW vs LAMB.
+4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
+5. ``onnxruntime``: a training step with ONNX Runtime (CUDA execution provider where the
+   installed build has it) vs eager; skipped, with the reason, where it is not installed.
+
+``--dry-run`` runs the same code on tiny shapes (on a CPU in under two minutes); CI runs it so
+the suite never rots. Writes ``gpu_suite.json`` and ``gpu_suite.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the benchmarks' shared modules
+
+from common import footer, stamp  # noqa: E402
+
+from rapidformer import RapidformerConfig, RapidformerEngine  # noqa: E402
+from rapidformer.models.gpt import GPTConfig, GPTModel  # noqa: E402
+from rapidformer.state import StepFunctions  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mb(device: torch.device) -> float:
+    from rapidformer.logging import peak_memory_bytes
+
+    return peak_memory_bytes(device) / 2**20
+
+
+# ---- 1. precision ------------------------------------------------------------------------
+def precision_section(dry: bool) -> dict[str, Any]:
+    import precision
+
+    shape = dict(precision.QUICK) if dry else {**precision.SHAPES["bert"], "layers": 12}
+    batch, seq, steps = (4, 32, 2) if dry else (32, 128, 10)
+    rows = {}
+    for name in precision.PRECISIONS:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        _reset_memory(device)
+        run = precision.run_one("bert", name, shape, steps, batch, seq)
+        rows[name] = {
+            "samples_per_s": batch / statistics.median(run["step_s"]),
+            "peak_memory_mb": run["peak_memory_mb"],
+            "loss": run["loss"],
+        }
+    for row in rows.values():
+        row["vs_fp32"] = row["samples_per_s"] / rows["fp32"]["samples_per_s"]
+    return {"shape": shape, "batch": batch, "seq": seq, "rows": rows}
+
+
+# ---- 2. GPT throughput -------------------------------------------------------------------
+GPT_SIZES = {"GPT-350M": (24, 1024, 16, 8), "GPT-1.3B": (24, 2048, 16, 4)}
+"""name -> layers, hidden, heads, micro-batch (sequence length 1024)."""
+VARIANTS = {
+    "eager": {},
+    "compile": {"torch_compile": True},
+    "checkpointing": {"checkpoint_activations": True},
+    "compile + checkpointing": {"torch_compile": True, "checkpoint_activations": True},
+}
+
+
+def gpt_run(
+    layers: int, hidden: int, heads: int, batch: int, seq: int, steps: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    config = RapidformerConfig.from_dict(
+        {"lr": 1e-4, "precision": "bf16", "optimizers": "apex_adam", "seq_length": seq, **options}
+    )
+    engine = RapidformerEngine(config, builds_optimizer=True)
+    _reset_memory(engine.device)
+    model = GPTModel.build(
+        GPTConfig(
+            vocab_size=50304,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            max_position_embeddings=seq,
+            dropout=0.0,
+        ),
+        device="meta",  # the engine materialises it on its device
+    )
+    state = engine.compose(model)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50304, (batch, seq + 1), generator=generator).to(engine.device)
+
+    def loss(batch_ids: torch.Tensor) -> torch.Tensor:
+        logits = state.model(batch_ids[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch_ids[:, 1:].flatten())
+
+    step = StepFunctions(train_step=loss, weight=lambda b: b.shape[0])
+    started = time.perf_counter()
+    for _ in range(3):  # warm-up (and the compile, when on)
+        engine.run_step([ids], step)
+    _sync(engine.device)
+    warmup_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(steps):
+        result = engine.run_step([ids], step)
+    final_loss = result.loss  # the one host read: the steps are done
+    elapsed = time.perf_counter() - started
+    tokens_per_s = batch * seq * steps / elapsed
+    assert engine.mfu is not None
+    row = {
+        "tokens_per_s": tokens_per_s,
+        **engine.mfu.fields(tokens_per_s),
+        "peak_memory_mb": _peak_mb(engine.device),
+        "warmup_s": warmup_s,
+        "loss": final_loss,
+        "plan": [str(p) for p in state.plan],
+    }
+    engine.close()
+    _reset_memory(engine.device)
+    return row
+
+
+def gpt_section(dry: bool) -> dict[str, Any]:
+    sizes = {"GPT-350M": (2, 64, 4, 2), "GPT-1.3B": (2, 64, 4, 2)} if dry else GPT_SIZES
+    seq, steps = (32, 2) if dry else (1024, 10)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, (layers, hidden, heads, batch) in sizes.items():
+        for variant, options in VARIANTS.items():
+            rows[f"{name} {variant}"] = gpt_run(layers, hidden, heads, batch, seq, steps, options)
+    return {"seq": seq, "rows": rows}
+
+
+# ---- 3. optimizers -----------------------------------------------------------------------
+def optimizer_section(dry: bool) -> dict[str, Any]:
+    from rapidformer.accel.lamb import Lamb
+    from rapidformer.accel.optimizers import parameter_groups
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    layers, hidden = (2, 64) if dry else (24, 1024)
+    model = GPTModel.build(
+        GPTConfig(
+            vocab_size=50304 if not dry else 512,
+            num_layers=layers,
+            hidden_size=hidden,
+            num_attention_heads=4 if dry else 16,
+            max_position_embeddings=1024,
+        ),
+        device=device,
+    )
+    for parameter in model.parameters():
+        parameter.grad = 1e-3 * torch.randn_like(parameter)
+    groups = parameter_groups(model, 0.01)
+    plain = [{k: v for k, v in g.items() if k != "trust_ratio"} for g in groups]
+    builders: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "AdamW(fused=True)": lambda: torch.optim.AdamW(plain, lr=1e-4, fused=True),
+        "rapidformer LAMB (foreach)": lambda: Lamb(groups, lr=1e-4, weight_decay=0.01),
+    }
+    rows = {}
+    for name, build in builders.items():
+        optimizer = build()
+        times = []
+        for index in range(2 if dry else 12):
+            _sync(device)
+            started = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            if index >= 2 or dry:
+                times.append(time.perf_counter() - started)
+        rows[name] = {"step_ms": statistics.median(times) * 1e3}
+        del optimizer
+    parameters = sum(p.numel() for p in model.parameters())
+    return {"parameters": parameters, "rows": rows}
+
+
+# ---- 4. dynamic shape --------------------------------------------------------------------
+def dynamic_section(dry: bool) -> dict[str, Any]:
+    import dynamic_shape
+
+    corpus = dynamic_shape.SkewedCorpus(256 if dry else 4096, seed=0)
+    steps = 3 if dry else 40
+    rows = {it: dynamic_shape.run(corpus, it, steps) for it in ("fixed-shape", "dynamic-shape")}
+    ratio = rows["dynamic-shape"]["tokens_per_s"] / rows["fixed-shape"]["tokens_per_s"]
+    return {"rows": rows, "dynamic_vs_fixed": ratio}
+
+
+# ---- 5. ONNX Runtime ---------------------------------------------------------------------
+def onnxruntime_section(dry: bool) -> dict[str, Any]:
+    try:
+        import onnxruntime
+        from onnxruntime.training import api  # noqa: F401
+    except ImportError as exc:
+        return {"skipped": f"onnxruntime-training is not installed here ({exc})"}
+    import ort_training
+
+    providers = onnxruntime.get_available_providers()
+    batch = ort_training.batch_for("bert")
+    rows = {}
+    for ort in (False, True):
+        engine, step = ort_training.compose("bert", 32 if dry else 256, ort)
+        on_device = {k: v.to(engine.device) for k, v in batch.items()}
+        times, _ = ort_training.train_steps(engine, step, on_device, 3 if dry else 10)
+        rows["onnxruntime" if ort else "eager"] = {"step_ms": statistics.median(times) * 1e3}
+        engine.close()
+    return {"providers": providers, "rows": rows}
+
+
+SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "precision": precision_section,
+    "gpt": gpt_section,
+    "optimizers": optimizer_section,
+    "dynamic_shape": dynamic_section,
+    "onnxruntime": onnxruntime_section,
+}
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    sections = result["sections"]
+    lines = [f"# GPU suite{' (dry run: tiny shapes)' if result['dry_run'] else ''}", ""]
+    for name, section in sections.items():
+        status = section["status"]
+        lines.append(f"## {name} ({status}, {section['seconds']:.0f} s)")
+        lines.append("")
+        if status != "ok":
+            lines += ["```", section.get("error", "")[-1500:], "```", ""]
+            continue
+        data = section["data"]
+        if "skipped" in data:
+            lines += [f"Skipped: {data['skipped']}", ""]
+            continue
+        rows = data["rows"]
+        keys = sorted({k for row in rows.values() for k in row if k != "plan"})
+        lines.append("| | " + " | ".join(keys) + " |")
+        lines.append("|---|" + "---|" * len(keys))
+        for row_name, row in rows.items():
+            cells = [_fmt(row.get(k)) for k in keys]
+            lines.append(f"| {row_name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU, < 2 min)")
+    parser.add_argument("--out", required=True, help="folder for gpu_suite.json / .md")
+    parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows are fp32, as the table says
+    sections: dict[str, Any] = {}
+    for name in args.only or list(SECTIONS):
+        started = time.perf_counter()
+        try:
+            sections[name] = {"status": "ok", "data": SECTIONS[name](args.dry_run)}
+        except (Exception, SystemExit):  # noqa: BLE001 (a broken section must not cost the others)
+            sections[name] = {"status": "failed", "error": traceback.format_exc()}
+        sections[name]["seconds"] = time.perf_counter() - started
+        print(f"{name}: {sections[name]['status']} in {sections[name]['seconds']:.0f} s")
+        (out / "gpu_suite.json").write_text(json.dumps(sections, indent=2, default=str))
+    result = stamp({"dry_run": args.dry_run, "sections": sections})
+    (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "gpu_suite.md").write_text("\n".join([*markdown(result), *footer(result)]))
+    print(f"wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
+    failed = [n for n, s in sections.items() if s["status"] != "ok"]
+    if failed:
+        raise SystemExit(f"sections failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
