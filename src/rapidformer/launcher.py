@@ -48,9 +48,16 @@ def launch(
     if num_processes < 1:
         raise ValueError(f"launch(num_processes={num_processes}): need at least 1")
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() == 1:
+            raise RuntimeError(
+                "launch() after a one-process run that created a process group in this process "
+                "(a DeepSpeed engine keeps its group of one for the rest of the process, or an "
+                "engine was not closed): forked processes would inherit it. Restart the "
+                "notebook's kernel and launch before running anything distributed in it"
+            )
         raise RuntimeError(
-            "launch() inside a process group: this process already runs distributed; call "
-            "the function directly"
+            f"launch() inside a process group of {dist.get_world_size()} ranks: this process "
+            "already runs distributed; call the function directly"
         )
     if torch.cuda.is_initialized():
         raise RuntimeError(

@@ -332,7 +332,7 @@ def test_upcycling_a_dense_checkpoint_through_load(tmp_path: Path) -> None:
     again._log_step = lambda logger, step, *rest: (  # type: ignore[method-assign]
         steps.append(step),
         original_log(logger, step, *rest),
-    )
+    )[1]
     again.fit()
     assert steps == [4]
 

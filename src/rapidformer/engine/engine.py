@@ -199,6 +199,8 @@ class RapidformerEngine:
         )
         for apply in CANONICAL_ORDER:
             state = apply(state, self.config, self.mesh)
+        # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.
+        self.mfu = self._mfu_meter(state)
         if lr_scheduler_fn is not None and state.optimizer is not None:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
         # The parameters as the accelerations left them (FSDP2 registered sharded ones).
@@ -208,7 +210,6 @@ class RapidformerEngine:
         self.state = state
         self._late.reset()
         self._arm(self.accumulation_steps == 1)
-        self.mfu = self._mfu_meter(state)
         self.log_plan()
         return state
 
