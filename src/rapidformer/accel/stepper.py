@@ -51,9 +51,13 @@ def clip_gradients(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    squares = torch.zeros((), device=grads[0].device)
     sharded = [g for g in counted if isinstance(g, DTensor)]
     plain = [g for g in counted if not isinstance(g, DTensor)]
+    if not sharded and pp_group is None and plain:  # one norm, no reductions: the common case
+        norm = torch.nn.utils.get_total_norm(plain, 2.0).float()
+        _scale_by_norm(grads, max_norm, norm)
+        return norm
+    squares = torch.zeros((), device=grads[0].device)
     if sharded:  # DTensor norms of different meshes do not mix: one norm per mesh
         for mesh_grads in _by_mesh(sharded):
             norm = torch.nn.utils.get_total_norm(mesh_grads, 2.0)

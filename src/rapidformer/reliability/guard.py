@@ -17,6 +17,7 @@ The host reads the summed flags once per step: the step's own decision needs the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,15 +69,17 @@ class StepGuard:
     def verdict(self, grad_norm: torch.Tensor | None) -> Verdict:
         """Every rank's reports summed (a collective: every rank calls it once per step)."""
         rank, world = process_group.rank(), process_group.world_size()
-        flags = torch.zeros(world + 2, device=self.device)
-        if self._loss is not None:
-            flags[rank] = (~torch.isfinite(self._loss.to(self.device))).any().float()
-        if grad_norm is not None:
-            flags[world] = (~torch.isfinite(grad_norm.to(self.device))).float()
         stop = self.signals is not None and self.signals.received is not None
-        flags[world + 1] = float(stop)
-        process_group.all_reduce_sum(flags, self.group)
-        values = flags.tolist()  # the host reads the decision once per step
+        if world == 1:  # nothing to agree with: read the numbers, judge them on the host
+            values = [*self._local_flags(grad_norm), float(stop)]
+        else:
+            loss_bad, norm_bad = self._nonfinite(self._loss), self._nonfinite(grad_norm)
+            flags = torch.zeros(world + 2, device=self.device)
+            flags[rank] = loss_bad
+            flags[world] = norm_bad
+            flags[world + 1] = float(stop)
+            process_group.all_reduce_sum(flags, self.group)
+            values = flags.tolist()  # the host reads the decision once per step
         self._loss = None
         ranks = tuple(r for r in range(world) if values[r] > 0)
         nonfinite = values[world] > 0
@@ -86,6 +89,24 @@ class StepGuard:
             nonfinite_loss_ranks=ranks,
             nonfinite_gradients=nonfinite,
         )
+
+    def _local_flags(self, grad_norm: torch.Tensor | None) -> tuple[float, float]:
+        """(loss non-finite, gradient norm non-finite) from one read of both."""
+        empty = torch.zeros(0, device=self.device)
+        loss = empty if self._loss is None else self._loss.detach().reshape(-1).float()
+        norm = empty if grad_norm is None else grad_norm.detach().reshape(-1).float()
+        numbers = torch.cat([loss.to(self.device), norm.to(self.device)]).tolist()
+        count = loss.numel()
+        return (
+            float(not all(map(math.isfinite, numbers[:count]))),
+            float(not all(map(math.isfinite, numbers[count:]))),
+        )
+
+    def _nonfinite(self, value: torch.Tensor | None) -> torch.Tensor:
+        """1.0 where ``value`` holds an inf or NaN, else 0.0 (on the guard's device)."""
+        if value is None:
+            return torch.zeros((), device=self.device)
+        return (~torch.isfinite(value.to(self.device))).any().float()
 
     def count(self, skipped: bool, reason: str) -> None:
         """Count a finished step; raise once ``--max-skipped-steps`` skips came in a row
