@@ -235,7 +235,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        f"**Ratio trainer / hand (medians): {result['ratio']:.3f}** (target >= 0.97); "
+        f"**Ratio trainer / hand (medians): {result['ratio']:.3f}** (target >= 0.99); "
         f"median of the per-pair ratios: {result['median_pair_ratio']:.3f}; "
         f"best run against best run: {result['best_ratio']:.3f}; from the median step times "
         f"(hand / trainer): {result['step_ratio']:.3f}.",
@@ -272,7 +272,7 @@ def side_summary(runs: list[RunResult]) -> dict[str, Any]:
 def main() -> None:
     parser = argument_parser(__doc__, quick="30 steps, 2 pairs")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
-    parser.add_argument("--pairs", type=int, default=10, help="interleaved trainer/hand pairs")
+    parser.add_argument("--pairs", type=int, default=20, help="interleaved trainer/hand pairs")
     args = parser.parse_args()
     steps, pairs = (30, 2) if args.quick else (args.steps, args.pairs)
     if steps < LAST_N or pairs < 1:
