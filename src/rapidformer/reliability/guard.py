@@ -12,7 +12,8 @@ the whole job sums the reports, so every rank takes the same decision:
   run stops with :class:`~rapidformer.errors.NonFiniteError` before touching anything.
 * **stop** when any rank received a stop signal (:mod:`.signals`).
 
-The host reads the summed flags once per step: the step's own decision needs them.
+The host reads the summed flags once per step: the step's own decision needs them. A job of
+one rank has nothing to agree on: it reads its loss and gradient norm in one copy instead.
 """
 
 from __future__ import annotations
