@@ -72,7 +72,6 @@ def held_parameters(model: GPTConfig, tp: int, pp: int, rank: int) -> int:
         gpt = GPTModel.build(model, "meta")
         state = TrainState(
             model=gpt,
-            unwrapped_model=gpt,
             device=torch.device("cpu"),
             mesh=mesh,
             forward_backward=EagerForwardBackward(),

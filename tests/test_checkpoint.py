@@ -23,7 +23,6 @@ def _state() -> TrainState:
     optimizer.step()
     return TrainState(
         model=model,
-        unwrapped_model=model,
         device=torch.device("cpu"),
         mesh=ParallelMesh(ParallelDims(world_size=1)),
         forward_backward=EagerForwardBackward(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,24 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert dynamic["dynamic-shape"]["padding_fraction"] < dynamic["fixed-shape"]["padding_fraction"]
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## gpt (ok" in markdown and "GPT-1.3B compile + checkpointing" in markdown
+
+
+def test_engine_vs_hand_dry_run_trains_both_sides_alike(tmp_path: Path) -> None:
+    """The engine-vs-hand-loop benchmark on tiny shapes: both sides start from the same
+    weights and batch and take the same number of steps, so their losses agree (bf16 autocast
+    on both sides: a stated 1e-3 relative tolerance), and every ratio is a positive number."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT / "src")}
+    script = ROOT / "benchmarks" / "gpu" / "engine_vs_hand.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path), "--dry-run", "--label", "dry"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads((tmp_path / "engine_vs_hand_dry.json").read_text())["rows"]["GPT-tiny"]
+    assert len(row["ratios"]) == 2 and all(r > 0 for r in row["ratios"])
+    engine, hand = row["last_loss"]["engine"], row["last_loss"]["hand"]
+    assert abs(engine - hand) <= 1e-3 * abs(hand), row["last_loss"]

@@ -17,8 +17,7 @@ from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_chec
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.errors import CheckpointError
-from rapidformer.models.convert import export_hugging_face
-from rapidformer.templates.pretrainer import build_pretraining_model
+from rapidformer.templates.families import family_for
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -41,10 +40,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
             "--vocab-file in its config)"
         )
     tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
-    model = build_pretraining_model(config, tokenizer.vocab_size)
+    family = family_for(data.tokenizer_type)
+    model = family.build_model(config, tokenizer.vocab_size, device="cpu")
     model.load_state_dict(consolidated_model_state(path))
-    export_hugging_face(model, str(out_dir), tokenizer=tokenizer.to_hf())
-    return Path(out_dir)
+    return family.export(model, out_dir, tokenizer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from rapidformer.distributed.tensors import local_part
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class StateBytes:
 
 def held_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank stores for ``tensor`` (its local shard for a DTensor)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_part(tensor)
     return local.numel() * local.element_size()
 
 

@@ -1,6 +1,6 @@
 """What compose() builds and the slots that accelerations fill.
 
-:class:`TrainState` holds the accelerated model, optimizer and data of a run. Three slots say
+:class:`TrainState` holds the accelerated model, optimizer and data of a run. Four slots say
 who does the work that several engines can do, so that the loop has one shape whatever runs it:
 
 * ``forward_backward`` (:class:`ForwardBackward`): runs forward and backward of a step's
@@ -12,6 +12,8 @@ who does the work that several engines can do, so that the loop has one shape wh
   and DeepSpeed's engine implement it.
 * ``checkpoint_format`` (:class:`CheckpointFormat`): how model and optimizer state are written
   and read. None means rapidformer's native choice (see :mod:`rapidformer.checkpoint`).
+* ``moe`` (:class:`RoutingControl`): the MoE layers' bookkeeping around each step; a model
+  without them gets :class:`NoRouting`, whose calls do nothing, so the engine never branches.
 
 This module sits below both ``accel/`` and ``engine/``: accelerations fill the slots, the engine
 and templates call them, and neither imports the other.
@@ -19,15 +21,16 @@ and templates call them, and neither imports the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
@@ -112,16 +115,23 @@ class StepOutcome:
 
 
 class ForwardBackward(Protocol):
-    """Runs forward and backward of micro-batches; see the module docstring."""
+    """Runs forward and backward of a step's micro-batches; see the module docstring. What
+    other accelerations need from it (which modules' forwards run, whether DDP may wrap the
+    model, whether this rank holds the whole model) it says here, so that none of them asks
+    which implementation fills the slot."""
 
     name: str
-    reduces_gradients: bool
-    """Whether it reduces gradients over the data-parallel ranks itself (then no DDP)."""
-    loss_parallel: bool
-    """Whether losses read vocabulary-sharded logits (tensor parallelism sets it)."""
+    gradient_sync: str
+    """Who averages gradients over the data-parallel ranks: ``"ddp"`` (a DDP wrapper, or
+    FSDP2's reduce-scatter, may be put around the model), ``"stepper"`` (the stages of a
+    pipeline, which DDP cannot follow: the stepper averages once per step) or ``"self"``
+    (the slot does it, e.g. ONNX Runtime or DeepSpeed's engine)."""
+    holds_whole_model: bool
+    """False where ``model_parts`` are some stages of a pipeline: checkpoints then name each
+    stage's tensors by the whole model's names."""
 
-    def loss_context(self) -> AbstractContextManager[Any]:
-        """The context a loss and its backward run in (``loss_parallel()``, or nothing)."""
+    def forward_modules(self, state: TrainState) -> list[nn.Module]:
+        """The modules whose forward this slot calls (mixed precision wraps them)."""
         ...
 
     def forward_is_collective(self, state: TrainState) -> bool:
@@ -142,21 +152,28 @@ class ForwardBackward(Protocol):
         losses (detached, unscaled), one per micro-batch."""
         ...
 
+    def close(self) -> None:
+        """Release what it holds (graphs, files); a later step may build them again."""
+        ...
+
+
+@runtime_checkable
+class MicroStepBackward(Protocol):
+    """What a forward-backward slot adds for hand-written loops, whose backward of each
+    micro-batch the user calls (:mod:`rapidformer.engine.late_weights`). A slot that runs
+    whole steps only (a pipeline schedule) does not implement it."""
+
     def arm(self, state: TrainState, last: bool) -> None:
-        """Hand-written loops: whether the coming micro-batch ends the optimizer step."""
+        """Whether the coming micro-batch ends the optimizer step (before its forward)."""
         ...
 
     def backward(self, state: TrainState, loss: torch.Tensor) -> None:
-        """Hand-written loops: backward of one micro-batch's (already weighted) loss."""
+        """Backward of one micro-batch's (already weighted) loss."""
         ...
 
     def rescale_gradients(self, state: TrainState, factor: torch.Tensor) -> None:
-        """Hand-written loops: multiply the gradients accumulated so far, before the last
-        backward of a step whose weights were only known after the forwards."""
-        ...
-
-    def close(self) -> None:
-        """Release what it holds (graphs, files); a later step may build them again."""
+        """Multiply the gradients accumulated so far, before the last backward of a step
+        whose weights were only known after the forwards."""
         ...
 
 
@@ -179,6 +196,22 @@ class RoutingControl(Protocol):
     def metrics(self) -> dict[str, Any]:
         """Routing statistics since the last call; every rank calls it (collectives)."""
         ...
+
+
+class NoRouting:
+    """The MoE slot of a model without MoE layers: every call does nothing."""
+
+    def begin_step(self, scales: torch.Tensor | None = None) -> None:
+        """Nothing to hand over."""
+
+    def set_current_scale(self, value: torch.Tensor) -> None:
+        """Nothing to hand over."""
+
+    def after_step(self, applied: bool = True) -> None:
+        """Nothing to update."""
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
 
 
 class Stepper(Protocol):
@@ -220,13 +253,13 @@ class CheckpointFormat(Protocol):
 class TrainState:
     """The model, optimizer, data and numerics of a run after compose().
 
-    ``model`` is what forward is called on (it may be wrapped, e.g. by DDP or DeepSpeed);
-    ``unwrapped_model`` is the user's module, whose state_dict keys never change;
-    ``model_parts`` are the modules this rank holds (one, or a pipeline's stages).
+    The model has two views, both kept by the accelerations: ``model``, the handle forward is
+    called on (it may be wrapped, e.g. by DDP or DeepSpeed's engine, or be the stages of a
+    pipeline callable as one model), and ``model_parts``, the modules this rank holds (one, or
+    a pipeline's stages). :attr:`unwrapped_model` and :attr:`parameters` are derived from them.
     """
 
     model: nn.Module
-    unwrapped_model: nn.Module
     device: torch.device
     mesh: ParallelMesh
     forward_backward: ForwardBackward
@@ -240,6 +273,9 @@ class TrainState:
     eval_dataloader: DataLoader | None = None
     grad_scaler: torch.amp.GradScaler | None = None
     autocast_dtype: torch.dtype | None = None
+    loss_parallel: bool = False
+    """Whether losses read vocabulary-sharded logits (tensor parallelism sets it): they and
+    their backward then run under ``loss_parallel()`` (:func:`loss_context`)."""
     checkpoint_format: CheckpointFormat | None = None
     plan: list[PlanStep] = field(default_factory=list)
     model_parts: list[nn.Module] = field(default_factory=list)
@@ -249,21 +285,59 @@ class TrainState:
     step_guard: StepGuard | None = None
     """Every rank's per-step agreement to skip (non-finite values) or stop (a signal); the
     stepper asks it before applying a step. Set by the engine."""
-    moe: RoutingControl | None = None
-    """The MoE layers' step bookkeeping (loss scales, expert bias, statistics); None without
-    --num-experts."""
+    moe: RoutingControl = field(default_factory=NoRouting)
+    """The MoE layers' step bookkeeping (loss scales, expert bias, statistics); does nothing
+    without --num-experts."""
     expert_gradient_ids: frozenset[int] = frozenset()
     """Expert-parallel parameters (ids): their gradients are averaged over
     ``expert_average_group`` and divided by the ep degree instead of averaged over dp."""
     expert_average_group: Any = None
     expert_parallel_size: int = 1
-    parameters: list[nn.Parameter] = field(default_factory=list)
-    """The parameters of ``model_parts`` as compose() left them: what gradients accumulate on
-    and clipping reads (FSDP2 swaps unsharded copies into the module during forward and
-    backward)."""
+    _settled_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_parts:
-            self.model_parts = [self.unwrapped_model]
-        if not self.parameters:
-            self.parameters = [p for part in self.model_parts for p in part.parameters()]
+            self.model_parts = [self.model]
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """``model`` without its data-parallel wrapper: the module whose state_dict keys are
+        the model's own (the user's model, or a pipeline's stages callable as one)."""
+        inner = getattr(self.model, "module", None)
+        # DDP and DeepSpeed's engine keep the model they wrap as ``.module``; a user's model
+        # may have a child of that name, which is never the part this rank holds.
+        return inner if inner is self.model_parts[0] else self.model
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of ``model_parts`` as the accelerations left them: what gradients
+        accumulate on, clipping reads and checkpoints inspect. While compose() runs they are
+        read afresh (each step may replace them); :meth:`settle` then keeps them, because
+        FSDP2 swaps unsharded copies into the modules for a forward (and, without resharding
+        after forward, leaves them there until the next backward)."""
+        if self._settled_parameters is not None:
+            return self._settled_parameters
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    def settle(self) -> None:
+        """Keep the parameters as they are now (compose() calls it once every acceleration
+        is applied)."""
+        self._settled_parameters = [p for part in self.model_parts for p in part.parameters()]
+
+
+def loss_context(state: TrainState) -> AbstractContextManager[Any]:
+    """The context a loss (and its backward) must run in: ``loss_parallel()`` for
+    vocabulary-sharded logits, else nothing."""
+    return loss_parallel() if state.loss_parallel else nullcontext()
+
+
+@contextmanager
+def evaluation_context(state: TrainState) -> Iterator[None]:
+    """No gradients, the training precision and the loss context, for forwards of the
+    unwrapped model (outside the autocast that wraps the training forward)."""
+    with torch.no_grad(), loss_context(state):
+        if state.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=state.device.type, dtype=state.autocast_dtype):
+            yield

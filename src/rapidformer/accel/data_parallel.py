@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import local_part
 from rapidformer.state import PlanStep, TrainState
 
 
@@ -29,14 +29,11 @@ def apply_data_parallel(
     state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
 ) -> TrainState:
     dp = mesh.dims.dp
-    others = (
-        any(isinstance(part, FSDPModule) for part in state.model_parts)
-        or state.forward_backward.reduces_gradients
-        or config.memory.zero_backend == "deepspeed"
-    )
-    if dp == 1 or others:
+    sync = state.forward_backward.gradient_sync
+    sharded = any(isinstance(part, FSDPModule) for part in state.model_parts)
+    if dp == 1 or sharded or sync == "self":
         return state
-    if mesh.dims.tp > 1 or mesh.dims.pp > 1 or mesh.dims.ep > 1:
+    if sync == "stepper" or mesh.dims.tp > 1 or mesh.dims.ep > 1:
         return _averaged_gradients(state, mesh)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     state.model = DistributedDataParallel(
@@ -58,11 +55,10 @@ def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
     first data-parallel rank's values are broadcast anyway (a user's own init may differ)."""
     group = mesh.group("dp")
     experts = state.expert_gradient_ids  # expert parallelism: replicas only over edp
-    state.parameters = [p for part in state.model_parts for p in part.parameters()]
     with torch.no_grad():
-        dense = [_local(p) for p in state.parameters if id(p) not in experts]
+        dense = [local_part(p) for p in state.parameters if id(p) not in experts]
         process_group.broadcast_in_place(dense, group)
-        held = [_local(p) for p in state.parameters if id(p) in experts]
+        held = [local_part(p) for p in state.parameters if id(p) in experts]
         process_group.broadcast_in_place(held, state.expert_average_group)
     state.gradient_average_group = group
     state.plan.append(
@@ -76,7 +72,3 @@ def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
         )
     )
     return state
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

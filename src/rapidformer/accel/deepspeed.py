@@ -33,6 +33,8 @@ import torch
 
 from rapidformer.accel.deepspeed_state import DeepSpeedFormat, expected_state_bytes
 from rapidformer.accel.eager import EagerForwardBackward
+from rapidformer.accel.moe_rules import moe_enabled
+from rapidformer.accel.optimizers import apply_optimizer
 from rapidformer.accel.sharding import sharding_mode
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
@@ -48,10 +50,6 @@ _STAGES = {"oss": 1, "sdp": 2, "fsdp": 3}
 # DeepSpeed's default buckets are 500M elements: on a small model that reserves gigabytes of
 # staging buffers the ZeRO formulas do not count. 50M keeps overlap without the waste.
 _BUCKET = 50_000_000
-
-
-def is_deepspeed(config: RapidformerConfig) -> bool:
-    return config.memory.zero_backend == "deepspeed"
 
 
 def _mode(config: RapidformerConfig) -> tuple[str, str]:
@@ -99,7 +97,7 @@ class DeepSpeedForwardBackward(EagerForwardBackward):
     one); see the module docstring."""
 
     name = "DeepSpeed engine"
-    reduces_gradients = True
+    gradient_sync = "self"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -165,10 +163,17 @@ class DeepSpeedStepper:
         return expected_state_bytes(self.engine)
 
 
+def apply_deepspeed_optimizer(
+    state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
+) -> TrainState:
+    """The optimizer DeepSpeed will step: ZeRO-Offload steps it on CPU partitions, so its
+    states are built for the CPU (no CUDA-only kernels)."""
+    device = torch.device("cpu") if config.memory.cpu_offload else None
+    return apply_optimizer(state, config, mesh, device=device)
+
+
 def apply_deepspeed(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     """Hand the model and the optimizer just built to ``deepspeed.initialize``."""
-    if not is_deepspeed(config):
-        return state
     import deepspeed
 
     assert state.optimizer is not None, "the optimizer is built before DeepSpeed takes it"
@@ -212,9 +217,8 @@ def apply_deepspeed(state: TrainState, config: RapidformerConfig, mesh: Parallel
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
     """What --zero-backend deepspeed needs: DeepSpeed itself, a ZeRO stage to run, and no
-    switch that would fight its engine for the model or the numerics."""
-    if not is_deepspeed(config):
-        return
+    switch that would fight its engine for the model or the numerics (checked only when the
+    backend is chosen: engine/order.py)."""
     flag, dims = "--zero-backend", context.dims
     if importlib.util.find_spec("deepspeed") is None:
         yield Violation(
@@ -247,6 +251,13 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "LAMB's per-tensor trust ratio would be computed per partition (not LAMB, and "
             "different for every rank count)",
             "use --optimizers apex_adam, or --zero-backend native (LAMB works there)",
+        )
+    if moe_enabled(config):
+        yield Violation(
+            "--num-experts",
+            config.moe.num_experts,
+            "rapidformer's MoE layers are not run by the DeepSpeed engine",
+            "use --zero-backend native (ZeRO-2/3 through FSDP2)",
         )
     if config.graph.onnx_runtime_training:
         yield Violation(

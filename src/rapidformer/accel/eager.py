@@ -14,39 +14,36 @@ Who reduces the gradients over the data-parallel ranks:
 * FSDP2, in every backward (reduce-scatter): holding whole unsharded gradients through an
   accumulation would cost the memory ZeRO-2/3 exist to save.
 
-Under tensor parallelism with a vocab-parallel head (``loss_parallel``), each micro-batch's loss
-and backward run inside ``torch.distributed.tensor.parallel.loss_parallel()``, so the
+Under tensor parallelism with a vocab-parallel head (``state.loss_parallel``), each micro-batch's
+loss and backward run inside ``torch.distributed.tensor.parallel.loss_parallel()``, so the
 cross-entropy reads the sharded logits where they are; the loss comes back as a replicated
 DTensor and continues as this rank's (identical) local value.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
-from rapidformer.state import StepFunctions, TrainState, local_loss
+from rapidformer.distributed.tensors import local_part
+from rapidformer.state import StepFunctions, TrainState, local_loss, loss_context
 
 
 class EagerForwardBackward:
-    """torch autograd, under DDP or FSDP2 or on one process; see the module docstring."""
+    """torch autograd, under DDP or FSDP2 or on one process; see the module docstring. It
+    also serves hand-written loops (:class:`rapidformer.state.MicroStepBackward`)."""
 
     name = "eager"
-    reduces_gradients = False
-    loss_parallel = False
-    """Whether losses read vocabulary-sharded logits (set by tensor parallelism)."""
+    gradient_sync = "ddp"
+    holds_whole_model = True
 
-    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
-        """The context a loss (and its backward) must run in: ``loss_parallel()`` for
-        vocabulary-sharded logits, else nothing."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+    def forward_modules(self, state: TrainState) -> list[nn.Module]:
+        return [state.model]
 
     def forward_is_collective(self, state: TrainState) -> bool:
         # FSDP2 all-gathers each unit's parameters in its forward.
@@ -62,7 +59,7 @@ class EagerForwardBackward:
         losses = []
         for index, batch in enumerate(batches):
             self.arm(state, last=index == len(batches) - 1)
-            with self.loss_context():
+            with loss_context(state):
                 loss = local_loss(step.train_step(batch))
                 self.backward(state, loss * scales[index])
             losses.append(loss.detach().float())
@@ -77,15 +74,10 @@ class EagerForwardBackward:
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def rescale_gradients(self, state: TrainState, factor: torch.Tensor) -> None:
-        # The parameters as compose() saw them: FSDP2 swaps unsharded ones into the module
-        # between forward and backward, but gradients accumulate on the sharded ones.
-        grads = [_local(p.grad) for p in state.parameters if p.grad is not None]
+        # The parameters as compose() left them: FSDP2 swaps unsharded ones into the module
+        # for forward and backward, but gradients accumulate on the sharded ones.
+        grads = [local_part(p.grad) for p in state.parameters if p.grad is not None]
         torch._foreach_mul_(grads, factor)
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2 gradients), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -28,13 +28,14 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from rapidformer.accel.moe_control import MoEControl
 from rapidformer.accel.moe_rules import moe_enabled, moe_spec
 from rapidformer.accel.upcycling import upcycle_in_place
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import ConfigError
 from rapidformer.models.moe import MoELayer, MoESpec, expert_parameters, install_moe, moe_layers
 from rapidformer.models.moe_router import MoERuntime
@@ -88,7 +89,6 @@ def apply_expert_parallel(
     for layer in layers:
         layer.runtime = runtime
     _distribute_experts(layers, mesh)
-    state.parameters = [p for part in state.model_parts for p in part.parameters()]
     if mesh.dims.ep > 1:
         state.expert_gradient_ids = frozenset(id(p) for p in expert_parameters(state.model_parts))
         state.expert_average_group = mesh.group("edp")
@@ -108,7 +108,7 @@ def apply_expert_parallel(
 
 
 def _bytes(param: torch.Tensor) -> int:
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_part(param)
     return local.numel() * local.element_size()
 
 

@@ -147,13 +147,6 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
                 str(error),
                 "use 1 (every layer), k (every k-th) or one 0/1 per layer, e.g. [0,1,0,1]",
             )
-    if config.memory.zero_backend == "deepspeed":
-        yield Violation(
-            "--num-experts",
-            experts,
-            "rapidformer's MoE layers are not run by the DeepSpeed engine",
-            "use --zero-backend native (ZeRO-2/3 through FSDP2)",
-        )
     if moe.moe_use_upcycling and config.checkpoint.load is None:
         yield Violation(
             "--moe-use-upcycling",

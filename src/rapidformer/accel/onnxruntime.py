@@ -209,7 +209,7 @@ class OrtForwardBackward(EagerForwardBackward):
     with ORT computing each loss and its gradients; see the module docstring."""
 
     name = "ONNX Runtime training"
-    reduces_gradients = True
+    gradient_sync = "self"
 
     def __init__(self, model: nn.Module, seed: int) -> None:
         self.model = model

@@ -110,17 +110,22 @@ def build_optimizer(
     return cls(groups, **kwargs), implementation
 
 
-def apply_optimizer(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+def apply_optimizer(
+    state: TrainState,
+    config: RapidformerConfig,
+    mesh: ParallelMesh,
+    *,
+    device: torch.device | None = None,
+) -> TrainState:
+    """Build the optimizer ``--optimizers`` names over the parallelised model (or the
+    template's), for its states on ``device`` (default: the model's)."""
     if state.optimizer is None and state.optimizer_fn is not None:
         # Built now, over the parameters sharding and materialisation left (no rebuild).
         state.optimizer = state.optimizer_fn(state.unwrapped_model)
     if state.optimizer is not None:
         state.plan.append(PlanStep("optimizer", "user-supplied", type(state.optimizer).__name__))
         return state
-    device = state.device
-    if config.memory.zero_backend == "deepspeed" and config.memory.cpu_offload:
-        # ZeRO-Offload steps the optimizer on CPU partitions: no CUDA-only (apex) kernels.
-        device = torch.device("cpu")
+    device = device or state.device
     optimizer, implementation = build_optimizer(state.unwrapped_model, config, device)
     state.optimizer = optimizer
     groups = optimizer.param_groups

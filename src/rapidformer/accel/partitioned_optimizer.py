@@ -22,12 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from rapidformer.distributed.tensors import local_part
 
 
 class PartitionedOptimizer(Optimizer):
@@ -55,11 +52,11 @@ class PartitionedOptimizer(Optimizer):
             size = dist.get_world_size(owners) if owners is not None else 1
             loads = [0] * size
             # Largest first onto the least loaded rank: deterministic, so every rank agrees.
-            for param in sorted(subset, key=lambda p: -_local(p).numel()):
+            for param in sorted(subset, key=lambda p: -local_part(p).numel()):
                 owner = loads.index(min(loads))
                 self.owner[id(param)] = owner
                 self.group_of[id(param)] = owners
-                loads[owner] += _local(param).numel()
+                loads[owner] += local_part(param).numel()
         mine = [
             dict(g, params=[p for p in g["params"] if self._owns(p)]) for g in self.param_groups
         ]
@@ -84,5 +81,5 @@ class PartitionedOptimizer(Optimizer):
                 if owners is None:
                     continue
                 source = dist.get_global_rank(owners, self.owner[id(param)])
-                dist.broadcast(_local(param), src=source, group=owners)
+                dist.broadcast(local_part(param), src=source, group=owners)
         return loss

@@ -22,9 +22,8 @@ copy as ``lm_head.weight``; after every schedule call the two gradients are summ
 two ranks that hold them (one rank under ZBV), so both copies take the same update and stay
 equal. The gradient norm counts the pair once (:meth:`PipelineForwardBackward.norm_skips`).
 
-Evaluation and ``state.model(...)`` go through :class:`PipelinedModel`: the stages' forwards in
-order, each hop broadcast over the pipeline group, and the last stage's outputs broadcast to every
-pipeline rank, so ``eval_step`` and metrics run unchanged on all of them.
+Evaluation and ``state.model(...)`` go through
+:class:`~rapidformer.accel.pipelined_model.PipelinedModel`, the stages callable as one model.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -44,18 +42,23 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
 
-from rapidformer.accel.eager import EagerForwardBackward
-from rapidformer.accel.pipeline_layout import StageLayout, build_layout
+from rapidformer.accel.pipeline_layout import (
+    StageLayout,
+    bubble_formula,
+    build_layout,
+    tied_pair_group,
+)
+from rapidformer.accel.pipelined_model import PipelinedModel
 from rapidformer.accel.stepper import align_gradients
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import ConfigError, HookError, Violation
 from rapidformer.models.moe_router import uncounted
-from rapidformer.state import PlanStep, StepFunctions, TrainState, local_loss
+from rapidformer.state import PlanStep, StepFunctions, TrainState, local_loss, loss_context
 
 _SCHEDULES: dict[str, Any] = {
     "1F1B": Schedule1F1B,
@@ -86,88 +89,7 @@ def layout_of(config: RapidformerConfig, num_layers: int, pp: int) -> StageLayou
         ) from None
 
 
-class PipelinedModel(nn.Module):
-    """The stages this rank holds, callable as the whole model (evaluation); see the module
-    docstring. ``parts`` are the stages, in pipeline order."""
-
-    def __init__(
-        self,
-        parts: list[nn.Module],
-        layout: StageLayout,
-        pp_rank: int,
-        group: dist.ProcessGroup,
-        tp_mesh: DeviceMesh | None = None,
-    ) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self.tp_mesh = tp_mesh
-        """Where DTensor outputs (vocab-sharded logits) live; the same on every stage."""
-        self.layout = layout
-        self.pp_rank = pp_rank
-        self.group = group
-        self.stage_ids = layout.held(pp_rank)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        layout, x = self.layout, None
-        parts = dict(zip(self.stage_ids, self.parts, strict=True))
-        for stage in range(layout.num_stages):
-            owner = layout.owner(stage)
-            if stage in parts:
-                x = parts[stage](*args, **kwargs) if stage == 0 else parts[stage](*_tuple(x))
-            last = stage == layout.num_stages - 1
-            if last or layout.owner(stage + 1) != owner:
-                x = _broadcast(
-                    x if owner == self.pp_rank else None, owner, self.group, self.tp_mesh
-                )
-        return x
-
-
-def _tuple(x: Any) -> tuple[Any, ...]:
-    return tuple(x) if isinstance(x, tuple | list) else (x,)
-
-
-def _broadcast(
-    value: Any, src_pp_rank: int, group: dist.ProcessGroup, tp_mesh: DeviceMesh | None
-) -> Any:
-    """``value`` (a tensor, DTensor or tuple of them) from pipeline rank ``src_pp_rank`` to
-    every rank of ``group``. Only shapes, dtypes and placements travel as objects: a DTensor
-    is rebuilt on the receiver's own ``tp_mesh`` (unpickling a mesh would build process groups
-    on some ranks only)."""
-    src = dist.get_global_rank(group, src_pp_rank)
-    items = list(_tuple(value)) if value is not None else []
-    meta: list[Any] = [None]
-    if dist.get_rank() == src:
-        meta = [[_meta(t) for t in items] + [isinstance(value, tuple | list)]]
-    dist.broadcast_object_list(meta, src=src, group=group)
-    *metas, was_tuple = meta[0]
-    out = []
-    for index, info in enumerate(metas):
-        local = _local(items[index]) if items else torch.empty(info[0], dtype=info[1])
-        local = local.contiguous()
-        dist.broadcast(local, src=src, group=group)
-        if info[2] is not None:  # a DTensor: same mesh and placements on every pipeline rank
-            placements, shape, stride = info[2]
-            assert tp_mesh is not None
-            local = DTensor.from_local(
-                local, tp_mesh, placements, shape=shape, stride=stride, run_check=False
-            )
-        out.append(local)
-    return tuple(out) if was_tuple else out[0]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
-    local = _local(tensor)
-    dtensor = None
-    if isinstance(tensor, DTensor):
-        dtensor = (tensor.placements, tensor.shape, tensor.stride())
-    return (tuple(local.shape), local.dtype, dtensor)
-
-
-class PipelineForwardBackward(EagerForwardBackward):
+class PipelineForwardBackward:
     """Runs a step's micro-batches through the pipeline schedule; see the module docstring."""
 
     def __init__(
@@ -182,8 +104,6 @@ class PipelineForwardBackward(EagerForwardBackward):
         self.group = group
         self.schedule_name = model.layout.schedule
         self.name = f"pipeline {self.schedule_name} ({model.layout.num_stages} stages)"
-        self.modules: list[nn.Module] = list(model.parts)
-        """What each stage runs: the part, or its DDP / FSDP2 wrapper."""
         self._schedules: dict[Any, Any] = {}
         self._step: tuple[Sequence[Any], StepFunctions, torch.Tensor, torch.Tensor] | None = None
         self._scaler: torch.amp.GradScaler | None = None
@@ -191,6 +111,13 @@ class PipelineForwardBackward(EagerForwardBackward):
         """The ranks holding this pipeline's first and last stage (None: one rank holds both)."""
 
     # ---- the slot ------------------------------------------------------------------------
+    gradient_sync = "stepper"  # DDP cannot follow a schedule's interleaved micro-batches
+    holds_whole_model = False
+
+    def forward_modules(self, state: TrainState) -> list[nn.Module]:
+        """Each stage this rank holds (FSDP2 shards them in place; no DDP wraps them)."""
+        return list(self.model.parts)
+
     def forward_is_collective(self, state: TrainState) -> bool:
         return True  # every hop is a broadcast over the pipeline group
 
@@ -223,7 +150,7 @@ class PipelineForwardBackward(EagerForwardBackward):
             # never call it, yet unscale their gradients.
             self._scaler.scale(torch.zeros((), device=self.device))
         try:
-            with self.loss_context():
+            with loss_context(state):
                 for run in _equal_shapes(args, kwargs):
                     for chunk in _schedulable(run, self.schedule_name, self.model.layout.pp):
                         self._run_schedule(chunk, args, kwargs)
@@ -238,25 +165,17 @@ class PipelineForwardBackward(EagerForwardBackward):
     ) -> None:
         """One schedule call over the micro-batches ``run`` (indices into the step's)."""
         run_args, run_kwargs = [args[i] for i in run], [kwargs[i] for i in run]
-        schedule, stages = self._schedule(len(run), run_args, run_kwargs)
-        for stage in stages:
-            stage.has_backward = True
-            stage.clear_runtime_states()
-        targets = [torch.tensor(i) for i in run]
-        schedule._step_microbatches(run_args, run_kwargs, targets, None, return_outputs=False)
-
-    def arm(self, state: TrainState, last: bool) -> None:
-        """Nothing to arm: no DDP wrapper, the schedule runs a whole step at once."""
-
-    def backward(self, state: TrainState, loss: torch.Tensor) -> None:
-        raise HookError(
-            "under pipeline parallelism a step's forwards and backwards run inside the "
-            "schedule: call engine.run_step(batches, StepFunctions(...)) with model_inputs and "
-            "loss, not engine.backward(loss)"
-        )
+        schedule, _ = self._schedule(len(run), run_args, run_kwargs)
+        # The public step() takes a whole batch and cuts it into the schedule's micro-batches
+        # along dim 0. The run's micro-batches have equal shapes, so concatenating them and
+        # cutting again gives each one back exactly; the target is each one's index.
+        whole_args = tuple(_concatenated(list(values)) for values in zip(*run_args, strict=True))
+        whole_kwargs = {key: _concatenated([k[key] for k in run_kwargs]) for key in run_kwargs[0]}
+        schedule.step(*whole_args, target=torch.tensor(run), return_outputs=False, **whole_kwargs)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function: micro-batch ``target``'s loss, scaled."""
+        """The schedule's loss function: micro-batch ``target``'s loss, scaled (``target`` is
+        the micro-batch's index, a one-element CPU tensor: reading it waits for no device)."""
         assert self._step is not None
         batches, step, scales, losses = self._step
         index = int(target)
@@ -280,7 +199,7 @@ class PipelineForwardBackward(EagerForwardBackward):
             layout = self.model.layout
             stages = [
                 PipelineStage(module, index, layout.num_stages, self.device, group=self.group)
-                for index, module in zip(self.model.stage_ids, self.modules, strict=True)
+                for index, module in zip(self.model.stage_ids, self.model.parts, strict=True)
             ]
             for stage in stages:
                 _uncounted_inference(stage)
@@ -305,7 +224,7 @@ class PipelineForwardBackward(EagerForwardBackward):
         if len({id(p) for p in held}) != len(held) or not held:
             return  # one stage holds both names (one tensor) or no stage holds either
         align_gradients(held)
-        grads = [_local(p.grad) for p in held if p.grad is not None]
+        grads = [local_part(p.grad) for p in held if p.grad is not None]
         if not grads:
             return
         total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
@@ -318,26 +237,6 @@ class PipelineForwardBackward(EagerForwardBackward):
         self._schedules.clear()
 
 
-def tied_pair_group(mesh: ParallelMesh, layout: StageLayout) -> dist.ProcessGroup | None:
-    """The group of the ranks that hold the first and the last stage of this rank's pipeline
-    (None when one rank holds both). Every rank of the job builds every pair's group, in the
-    same order, as ``new_group`` requires."""
-    last_owner = layout.owner(layout.num_stages - 1)
-    if last_owner == 0:
-        return None
-    device_mesh = mesh.device_mesh
-    assert device_mesh is not None and device_mesh.mesh_dim_names is not None
-    axis = device_mesh.mesh_dim_names.index("pp")
-    ranks = device_mesh.mesh.movedim(axis, 0).reshape(layout.pp, -1)
-    mine = None
-    for column in ranks.t().tolist():
-        pair = [column[0], column[last_owner]]
-        group = dist.new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
-    return mine
-
-
 def _schedulable(run: list[int], schedule: str, pp: int) -> list[list[int]]:
     """``run`` cut where a schedule cannot take it whole: Interleaved1F1B runs rounds of
     ``m // pp`` micro-batches and needs ``m`` to be a multiple of the round count."""
@@ -348,12 +247,29 @@ def _schedulable(run: list[int], schedule: str, pp: int) -> list[list[int]]:
     return [run]
 
 
+def _concatenated(values: list[Any]) -> Any:
+    """Equal-shaped micro-batch tensors joined along dim 0 (see ``_run_schedule``); a value
+    that is not a batched tensor must be the same in every micro-batch, as the schedule hands
+    it unchanged to each."""
+    if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
+        return torch.cat(values)
+    if any(value is not values[0] for value in values[1:]):
+        raise HookError(
+            "under pipeline parallelism every model input must be a tensor with the batch in "
+            f"dim 0, or the same object in every micro-batch; got {type(values[0]).__name__} "
+            "values that differ: return them from model_inputs(batch) as batched tensors"
+        )
+    return values[0]
+
+
 def _uncounted_inference(stage: PipelineStage) -> None:
     """A stage infers its output shapes by one extra forward on placeholder values before
-    its first step: MoE layers must not count it as a micro-batch."""
-    infer = getattr(stage, "_forward_metadata_inference", None)
-    if infer is None:
-        return
+    its first step: MoE layers must not count it as a micro-batch.
+
+    torch 2.13 has no public hook for that forward, so this wraps the private method that
+    runs it: the one use of a pipelining internal here. tests/accel/test_torch_internals.py
+    fails with a clear message if torch renames it."""
+    infer = stage._forward_metadata_inference
 
     def quietly(*args: Any, **kwargs: Any) -> Any:
         with uncounted():
@@ -408,9 +324,8 @@ def apply_pipeline(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     group = mesh.group("pp")
     assert group is not None
     pipelined = PipelinedModel(parts, layout, pp_rank, group, mesh.submesh("tp"))
-    state.model = state.unwrapped_model = pipelined
+    state.model = pipelined
     state.model_parts = parts
-    state.parameters = [p for part in parts for p in part.parameters()]
     state.forward_backward = PipelineForwardBackward(
         pipelined, state.device, group, tied_pair_group(mesh, layout)
     )
@@ -424,17 +339,10 @@ def apply_pipeline(state: TrainState, config: RapidformerConfig, mesh: ParallelM
             f"{pp} ranks x {layout.virtual} virtual = {layout.num_stages} stages, layers per "
             f"stage {list(layout.layers_per_stage)}; {stages}; {microbatches} micro-batches "
             f"per step, bubble {layout.bubble(microbatches):.1%} "
-            f"({_bubble_formula(layout)})",
+            f"({bubble_formula(layout)})",
         )
     )
     return state
-
-
-def _bubble_formula(layout: StageLayout) -> str:
-    if layout.virtual == 1:
-        return "(p-1)/(m+p-1)"
-    bound = ", an upper bound for ZBV" if layout.schedule == "ZBV" else ""
-    return f"(p-1)/(v*m+p-1), v={layout.virtual}{bound}"
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:

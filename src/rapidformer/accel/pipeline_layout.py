@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from rapidformer.distributed.mesh import ParallelMesh
+
 LOOP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "ZBV")
 """Schedules that run several (virtual) stages per rank."""
@@ -142,3 +146,30 @@ def build_layout(
     else:
         counts = balanced_split(num_layers, stages)
     return StageLayout(tuple(counts), pp, schedule)
+
+
+def tied_pair_group(mesh: ParallelMesh, layout: StageLayout) -> dist.ProcessGroup | None:
+    """The group of the ranks that hold the first and the last stage of this rank's pipeline
+    (None when one rank holds both). Every rank of the job builds every pair's group, in the
+    same order, as ``new_group`` requires."""
+    last_owner = layout.owner(layout.num_stages - 1)
+    if last_owner == 0:
+        return None
+    device_mesh = mesh.device_mesh
+    assert device_mesh is not None and device_mesh.mesh_dim_names is not None
+    axis = device_mesh.mesh_dim_names.index("pp")
+    ranks = device_mesh.mesh.movedim(axis, 0).reshape(layout.pp, -1)
+    mine = None
+    for column in ranks.t().tolist():
+        pair = [column[0], column[last_owner]]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def bubble_formula(layout: StageLayout) -> str:
+    if layout.virtual == 1:
+        return "(p-1)/(m+p-1)"
+    bound = ", an upper bound for ZBV" if layout.schedule == "ZBV" else ""
+    return f"(p-1)/(v*m+p-1), v={layout.virtual}{bound}"

@@ -39,13 +39,11 @@ def _autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -
 
 def apply_precision(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     precision = config.precision.resolved
-    if precision == "fp32" or config.memory.zero_backend == "deepspeed":
-        return state  # DeepSpeed's engine runs the precision it was configured with
+    if precision == "fp32":
+        return state
     dtype = _DTYPES[precision]
     device_type = state.device.type
-    stages = getattr(state.forward_backward, "modules", None)
-    modules = stages if mesh.dims.pp > 1 and stages is not None else [state.model]
-    for module in modules:
+    for module in state.forward_backward.forward_modules(state):
         _autocast_forward(module, device_type, dtype)
     state.autocast_dtype = dtype
     if precision == "fp16":

@@ -73,11 +73,6 @@ def sharding_mode(config: RapidformerConfig) -> tuple[Mode, str] | None:
     return _MODES[flags[0]] if flags else None
 
 
-def _native_mode(config: RapidformerConfig) -> tuple[Mode, str] | None:
-    """The sharding this module applies: none when the DeepSpeed backend runs ZeRO."""
-    return sharding_mode(config) if config.memory.zero_backend == "native" else None
-
-
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: a Hugging Face model's layer classes
     (``_no_split_modules``), else the repeated blocks of an ``nn.ModuleList``/``ModuleDict``."""
@@ -92,7 +87,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     """FSDP2 for ZeRO-2/3 over the data-parallel mesh (this replaces DDP); OSS keeps DDP and
     shards the optimizer in :func:`apply_optimizer_sharding`."""
-    mode = _native_mode(config)
+    mode = sharding_mode(config)
     dims = mesh.dims
     if mode is not None and dims.dp == 1:
         unmoved = (
@@ -220,7 +215,7 @@ def apply_optimizer_sharding(
     """ZeRO-1/OSS: rebuild the optimizer as a ZeroRedundancyOptimizer of the same class,
     groups and hyper-parameters over the data-parallel group (runs after the optimizer
     exists)."""
-    mode = _native_mode(config)
+    mode = sharding_mode(config)
     optimizer = state.optimizer
     dims = mesh.dims
     if mode is None or mode[0] != "oss" or dims.dp == 1 or optimizer is None:
@@ -264,9 +259,8 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    """The memory-optimisation flags: one at a time, offload only of sharded state."""
-    memory = config.memory
-    flags = memory.sharding_flags
+    """The memory-optimisation flags, on either backend: one at a time."""
+    flags = config.memory.sharding_flags
     if len(flags) > 1:
         yield Violation(
             flags[1],
@@ -274,14 +268,20 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             f"at most one memory-optimization flag, got {', '.join(flags)}",
             "keep one of them",
         )
+
+
+def native_rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """The native backend offloads only what FSDP2 shards (DeepSpeed's rules say what its
+    ZeRO-Offload takes)."""
+    memory = config.memory
+    flags = memory.sharding_flags
     sharders = {  # FSDP2 modes: CPUOffloadPolicy (ZeRO-1/OSS keeps whole parameters on DDP)
         "--oss-sdp-memory-optimization",
         "--zero-2-memory-optimization",
         "--zero-3-memory-optimization",
         "--fsdp-memory-optimization",
     }
-    deepspeed = memory.zero_backend == "deepspeed"
-    if memory.cpu_offload and not deepspeed and not sharders.intersection(flags):
+    if memory.cpu_offload and not sharders.intersection(flags):
         yield Violation(
             "--cpu-offload",
             True,

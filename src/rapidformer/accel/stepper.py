@@ -24,10 +24,11 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import OptState
 from torch.distributed.tensor import DTensor
 
+from rapidformer.accel.scaler_state import found_inf_flags, inverse_scale, record_unscaled
 from rapidformer.distributed import process_group
+from rapidformer.distributed.tensors import local_part
 from rapidformer.memory import StateBytes, expected_bytes
 from rapidformer.reliability.guard import Verdict
 from rapidformer.state import StepOutcome, TrainState
@@ -80,8 +81,8 @@ def unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> N
     if not any(isinstance(g, DTensor) for g in grads):
         scaler.unscale_(optimizer)
         return
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    inverse = scaler._scale.double().reciprocal().float()  # type: ignore[union-attr]
+    locals_ = [local_part(g) for g in grads]
+    inverse = inverse_scale(scaler)
     found: dict[torch.device, torch.Tensor] = {}
     for same in _by_device(locals_):
         device = same[0].device
@@ -90,9 +91,7 @@ def unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> N
             torch._amp_foreach_non_finite_check_and_unscale_(
                 [t for t in same if t.dtype == dtype], found[device], inverse.to(device)
             )
-    record = scaler._per_optimizer_states[id(optimizer)]
-    record["found_inf_per_device"] = found
-    record["stage"] = OptState.UNSCALED
+    record_unscaled(scaler, optimizer, found)
 
 
 def align_gradients(parameters: list[torch.nn.Parameter]) -> None:
@@ -110,12 +109,12 @@ def align_gradients(parameters: list[torch.nn.Parameter]) -> None:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
-def _reduce_expert_gradients(state: TrainState) -> None:
+def _reduce_expert_gradients(state: TrainState, parameters: list[torch.nn.Parameter]) -> None:
     """Expert-parallel gradients already hold the whole ep group's tokens: sum them over the
     ranks holding the same experts and divide by dp (= average over those, / ep)."""
     grads = [
-        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        for p in state.parameters
+        local_part(p.grad)
+        for p in parameters
         if p.grad is not None and id(p) in state.expert_gradient_ids
     ]
     if not grads:
@@ -139,7 +138,7 @@ def _scale_by_norm(grads: list[torch.Tensor], max_norm: float, norm: torch.Tenso
     if max_norm == float("inf"):
         return
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_part(g) for g in grads]
     for device_grads in _by_device(locals_):
         torch._foreach_mul_(device_grads, factor.to(device_grads[0].device))
 
@@ -163,26 +162,21 @@ class TorchStepper:
         optimizer = state.optimizer
         assert optimizer is not None, "compose() built no optimizer"
         scaler = state.grad_scaler
-        skipped = False
-        align_gradients(state.parameters)
+        parameters = state.parameters
+        align_gradients(parameters)
         experts = state.expert_gradient_ids
         if state.gradient_average_group is not None:
-            grads = [
-                p.grad for p in state.parameters if p.grad is not None and id(p) not in experts
-            ]
-            process_group.average_in_buckets(
-                [g.to_local() if isinstance(g, DTensor) else g for g in grads],
-                state.gradient_average_group,
-            )
+            dense = [p for p in parameters if p.grad is not None and id(p) not in experts]
+            grads = [local_part(p.grad) for p in dense if p.grad is not None]
+            process_group.average_in_buckets(grads, state.gradient_average_group)
         if experts:
-            _reduce_expert_gradients(state)
+            _reduce_expert_gradients(state, parameters)
         if scaler is not None:
             unscale(scaler, optimizer)
-            found = scaler._found_inf_per_device(optimizer).values()
-            for found_inf in found:
+            for found_inf in found_inf_flags(scaler, optimizer):
                 process_group.all_reduce_sum(found_inf, state.mesh.group("world"))
         grad_norm = clip_gradients(
-            state.parameters,
+            parameters,
             self.max_norm,
             state.mesh.group("pp"),
             state.forward_backward.norm_skips(state),
@@ -193,7 +187,7 @@ class TorchStepper:
         if scaler is not None:
             # The scaler's found-inf (summed over ranks above) and the guard's gradient flag
             # see the same overflow; a non-finite loss alone skips too.
-            skipped = skipped or bool(sum(scaler._found_inf_per_device(optimizer).values()))
+            skipped = skipped or bool(sum(found_inf_flags(scaler, optimizer)))
             if not skipped:
                 scaler.step(optimizer)
             scaler.update()  # halves the scale after an overflow, from the same found-inf

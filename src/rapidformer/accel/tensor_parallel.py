@@ -156,7 +156,7 @@ def apply_tensor_parallel(
             tie()  # DTensor Parameters replaced the tied one
         loss_parallel = loss_parallel or "vocab_logits" in plan.values()
     if loss_parallel:
-        state.forward_backward.loss_parallel = True
+        state.loss_parallel = True
     sharded = sum(1 for part in state.model_parts for p in part.parameters() if _is_sharded(p))
     detail = (
         f"{mesh.dims.tp} ranks; column/row-parallel attention and FFN, vocab-parallel "

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from rapidformer.distributed.tensors import local_part
 from rapidformer.models.moe import MoELayer
 
 
@@ -41,7 +41,7 @@ def copy_dense_into_experts(layer: MoELayer, ffn: dict[str, torch.Tensor]) -> No
             (experts.w2, ffn["fc2.weight"].t()),
             (experts.b2, ffn["fc2.bias"]),
         ):
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_part(param)
             local.copy_(value.to(local.dtype).unsqueeze(0).expand_as(local))
 
 

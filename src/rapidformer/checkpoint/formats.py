@@ -111,7 +111,7 @@ class ConsolidatedFormat:
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
         model_state = load_file(directory / "model.pt")
-        if _has_dtensors(state) or state.mesh.dims.pp > 1:
+        if _has_dtensors(state) or not state.forward_backward.holds_whole_model:
             # Every rank reads the whole file and keeps what it holds: its shard of each
             # tensor, its stages' tensors.
             model = _single_part(state)
@@ -184,7 +184,8 @@ class DistributedFormat:
 
 def native_format(state: TrainState) -> CheckpointFormat:
     """The native format for what this run holds (see the module docstring)."""
-    if _has_dtensors(state) or len(state.model_parts) > 1 or state.mesh.dims.pp > 1:
+    whole = state.forward_backward.holds_whole_model and len(state.model_parts) == 1
+    if _has_dtensors(state) or not whole:
         return DistributedFormat()
     return ConsolidatedFormat()
 

@@ -45,7 +45,7 @@ def load_splits(data_dir: str, data_name: str | None = None) -> dict[str, Datase
     datasets.disable_progress_bars()  # one bar per split and rank drowns the run's log
     root = Path(data_dir)
     if root.is_dir():
-        return _local(root, data_name)
+        return _local_files(root, data_name)
     if _looks_like_a_path(data_dir):
         raise ConfigError.single(
             "--data-dir", data_dir, "no such directory", "pass a folder of data files"
@@ -53,7 +53,7 @@ def load_splits(data_dir: str, data_name: str | None = None) -> dict[str, Datase
     return _from_hub(data_dir, data_name)
 
 
-def _local(root: Path, data_name: str | None) -> dict[str, Dataset]:
+def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     import datasets
 
     folder = root / data_name if data_name and (root / data_name).is_dir() else root

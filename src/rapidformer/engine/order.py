@@ -1,13 +1,16 @@
-"""The one canonical order of accelerations, and every acceleration's validation rules.
+"""The canonical order of accelerations, per backend, and every acceleration's rules.
 
-This is the only place where ordering lives. Each ``apply_*(state, config, mesh) -> state``
-returns the state unchanged when its switch is off (or another engine owns that job), so one
-order serves every combination; why each step sits where it does is written beside it.
+This is the only place where ordering lives, and the only place where the backend
+(``--zero-backend``) is chosen: each backend yields the steps it runs, so no acceleration asks
+which backend another one is. Each ``apply_*(state, config, mesh) -> state`` returns the state
+unchanged when its switch is off, so one order serves every combination; why each step sits
+where it does is written beside it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rapidformer.accel import compile as compile_rules
 from rapidformer.accel import deepspeed, moe_rules, onnxruntime, pipeline, sharding, tensor_parallel
@@ -15,7 +18,7 @@ from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
-from rapidformer.accel.deepspeed import apply_deepspeed
+from rapidformer.accel.deepspeed import apply_deepspeed, apply_deepspeed_optimizer
 from rapidformer.accel.materialize import apply_materialize
 from rapidformer.accel.moe import apply_expert_parallel, apply_moe
 from rapidformer.accel.onnxruntime import apply_onnxruntime
@@ -31,7 +34,7 @@ from rapidformer.state import TrainState
 
 Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
 
-CANONICAL_ORDER: tuple[Apply, ...] = (
+NATIVE_ORDER: tuple[Apply, ...] = (
     # MoE layers replace FFNs while the model is whole and on the meta device: the stages,
     # tensor parallelism and sharding then treat MoE blocks like any other.
     apply_moe,
@@ -63,22 +66,50 @@ CANONICAL_ORDER: tuple[Apply, ...] = (
     apply_optimizer,
     # ZeRO-1/OSS re-partitions the optimizer just built (or supplied) over the ranks.
     apply_optimizer_sharding,
-    # DeepSpeed takes the model and the optimizer just built, and owns data parallelism,
-    # sharding, precision, backward and the step from here on.
-    apply_deepspeed,
     # Autocast wraps the outermost forward so DDP's hooks and the blocks all run under it.
     apply_precision,
     # Data comes last: the sampler needs the final data-parallel degree.
     apply_data,
 )
 
-ACCELERATION_RULES: tuple[Rule, ...] = (
+DEEPSPEED_ORDER: tuple[Apply, ...] = (
+    # DeepSpeed's engine owns data parallelism, sharding and precision, so the native steps
+    # for them are not here; its rules refuse MoE, pipeline, tensor parallelism, compile and
+    # ONNX Runtime. Checkpointing patches the blocks before DeepSpeed wraps the model.
+    apply_activation_checkpointing,
+    apply_materialize,
+    # The optimizer DeepSpeed steps (built for the CPU under ZeRO-Offload).
+    apply_deepspeed_optimizer,
+    # DeepSpeed takes the model and the optimizer just built, and owns backward and the step.
+    apply_deepspeed,
+    apply_data,
+)
+
+COMMON_RULES: tuple[Rule, ...] = (
     moe_rules.rules,
     pipeline.rules,
     tensor_parallel.rules,
     sharding.rules,
-    deepspeed.rules,
     compile_rules.rules,
     onnxruntime.rules,
 )
 """Each acceleration's own rules (written next to its code), checked with the general ones."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What ``--zero-backend`` chooses: the steps compose() runs and the rules they add."""
+
+    order: tuple[Apply, ...]
+    rules: tuple[Rule, ...]
+
+
+BACKENDS: dict[str, Backend] = {
+    "native": Backend(NATIVE_ORDER, (*COMMON_RULES, sharding.native_rules)),
+    "deepspeed": Backend(DEEPSPEED_ORDER, (*COMMON_RULES, deepspeed.rules)),
+}
+
+
+def backend(config: RapidformerConfig) -> Backend:
+    """The backend the config chose (validated by the schema's choices)."""
+    return BACKENDS[config.memory.zero_backend]

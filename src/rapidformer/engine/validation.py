@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import GENERAL_RULES, RunContext, check
 from rapidformer.distributed.dims import ParallelDims
-from rapidformer.engine.order import ACCELERATION_RULES
+from rapidformer.engine.order import backend
 from rapidformer.errors import Violation
 
 
@@ -41,5 +41,5 @@ def validate(
     """
     dims = parallel_dims(config, world_size, rank)
     context = RunContext(dims, builds_optimizer=builds_optimizer, runs_loop=runs_loop)
-    check(config, context, (*GENERAL_RULES, *ACCELERATION_RULES), extra)
+    check(config, context, (*GENERAL_RULES, *backend(config).rules), extra)
     return dims

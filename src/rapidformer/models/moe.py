@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor
 
+from rapidformer.distributed.tensors import local_part
 from rapidformer.models.moe_router import (
     AuxScale,
     Balancing,
@@ -52,10 +52,6 @@ from rapidformer.models.moe_router import (
 
 Kernel = Literal["grouped_mm", "loop"]
 DropPolicy = Literal["probs", "position"]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def grouped_mm_supported(dtype: torch.dtype, device: torch.device, dims: tuple[int, ...]) -> bool:
@@ -111,7 +107,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` sorted by local expert, ``counts[e]`` rows for expert e."""
-        w1, b1, w2, b2 = (_local(p) for p in (self.w1, self.b1, self.w2, self.b2))
+        w1, b1, w2, b2 = (local_part(p) for p in (self.w1, self.b1, self.w2, self.b2))
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else x.dtype
         w1, b1, w2, b2, x = (t.to(dtype) for t in (w1, b1, w2, b2, x))
         expert_of_row = torch.repeat_interleave(

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from rapidformer.distributed.tensors import local_part
 from rapidformer.models.moe import GroupedExperts, reset_buffers
 
 INIT_STD = 0.02
@@ -72,7 +73,7 @@ def init_parameters(
     local = dict(model.named_parameters(remove_duplicate=False))
     if not local:
         return
-    device = _local(next(iter(local.values()))).device
+    device = local_part(next(iter(local.values()))).device
     generator = torch.Generator(device=device).manual_seed(seed)
     names: dict[int, list[str]] = {}
     for name, param in reference.named_parameters(remove_duplicate=False):
@@ -111,10 +112,6 @@ def init_parameters(
     left = sorted(set(local) - done)
     if left:
         raise TypeError(f"init_parameters does not know how to initialise {left}")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _assign(param: torch.Tensor, values: torch.Tensor) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 
-from rapidformer.errors import HookError
+from rapidformer.errors import DataError, HookError
 
 IGNORE_INDEX = -100
 """The label value every loss in rapidformer ignores (Hugging Face's convention)."""
@@ -17,6 +19,30 @@ IGNORE_INDEX = -100
 StepOutput = torch.Tensor | Mapping[str, Any]
 """What ``train_step`` / ``eval_step`` return: the loss, or a dict with ``loss`` (and, for
 evaluation, the statistics ``compute_metrics`` reads)."""
+
+
+@dataclass
+class DataBundle:
+    """What ``build_data`` returns: map-style datasets and the function that batches them."""
+
+    train: Dataset | None
+    valid: Dataset | None = None
+    test: Dataset | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+    def loaders(self, micro_batch_size: int) -> tuple[DataLoader, DataLoader | None]:
+        """The training loader (shuffled) and the validation one, in micro-batches."""
+        if self.train is None:
+            raise DataError("build_data() returned no training dataset (DataBundle.train is None)")
+        train = DataLoader(
+            self.train, batch_size=micro_batch_size, shuffle=True, collate_fn=self.collate_fn
+        )
+        valid = None
+        if self.valid is not None:
+            valid = DataLoader(
+                self.valid, batch_size=micro_batch_size, shuffle=False, collate_fn=self.collate_fn
+            )
+        return train, valid
 
 
 def seed_everything(seed: int) -> None:
@@ -85,3 +111,8 @@ def loss_of(output: StepOutput, hook: str) -> torch.Tensor:
             "micro-batch's mean loss); reduce it, e.g. with .mean()"
         )
     return loss
+
+
+def filler_batch(loader: Any) -> Any:
+    """A batch of the validation set's first sample, for forwards a rank only joins."""
+    return loader.collate_fn([loader.dataset[0]])

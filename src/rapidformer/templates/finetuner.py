@@ -17,7 +17,11 @@ user code, and a subclass overrides only what it changes:
 ``fit()`` trains by ``--epochs`` or ``--train-iters`` (gradient accumulation from the batch
 sizes either way) and, with ``--save``, finally writes the model with ``save_pretrained`` and
 its tokenizer into the root of ``--save`` (rank 0), next to the ``iter_*`` checkpoints, ready
-for ``AutoModelFor<Task>.from_pretrained(save)``.
+for ``AutoModelFor<Task>`` to load.
+
+Loading, saving and the errors that name a bad model directory live in
+:mod:`rapidformer.models.hf`; what Hugging Face models support of the parallelism flags in
+:mod:`rapidformer.templates.hf_rules`. The template composes them.
 
 The tasks: sequence_classification, token_classification, question_answering, masked_lm,
 causal_lm (also spelled casual_lm, as in the reference tool) and seq2seq_lm.
@@ -25,26 +29,28 @@ causal_lm (also spelled casual_lm, as in the reference tool) and seq2seq_lm.
 
 from __future__ import annotations
 
-import copy
-import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
-from rapidformer.accel.tensor_parallel import HF_TP_FAMILIES
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.distributed import process_group
-from rapidformer.errors import ConfigError, Violation
+from rapidformer.errors import Violation
 from rapidformer.logging import log
+from rapidformer.models.hf import (
+    PRETRAINED_FLAG,
+    check_vocabulary,
+    load_model,
+    load_tokenizer,
+    save_model,
+)
 from rapidformer.state import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, task_violation
+from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, Features, Task, canonical_task, task_for
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
@@ -52,138 +58,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_SEQ_LENGTH = 128
-_FLAG = "--pretrained-model-name-or-path"
-
-
-def _hub_error(name: str, what: str, exc: BaseException) -> ConfigError:
-    return ConfigError.single(
-        _FLAG,
-        name,
-        f"is not a local directory, and loading its {what} from the hub failed (no network "
-        f"access to the hub from this machine, or no such model: {type(exc).__name__})",
-        "download the model where the hub is reachable (save_pretrained) and pass that "
-        "local directory",
-    )
-
-
-def _check_local(name_or_path: str) -> bool:
-    """True for a local model directory (checked to hold a model), False for a hub name."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            files = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
-            raise ConfigError.single(
-                _FLAG,
-                name_or_path,
-                f"holds no model: no config.json there (found: {files})",
-                "pass a directory written by save_pretrained (config.json, model weights, "
-                "tokenizer files)",
-            )
-        return True
-    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ConfigError.single(_FLAG, name_or_path, "no such model directory", "check the path")
-    return False
-
-
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The fast tokenizer saved with a model (a local directory or a hub name)."""
-    from transformers import AutoTokenizer
-
-    local = _check_local(name_or_path)
-    try:
-        if not local and hub_unreachable():
-            raise ConnectionError("the hub did not answer a connection within 3 s")
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError) as exc:
-        if not local:
-            raise _hub_error(name_or_path, "tokenizer", exc) from exc
-        raise ConfigError.single(
-            _FLAG,
-            name_or_path,
-            f"holds no usable tokenizer ({str(exc).splitlines()[0]})",
-            "save the tokenizer next to the model with tokenizer.save_pretrained(dir)",
-        ) from exc
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
-    return tokenizer
-
-
-def _model_parallel_violations(config: RapidformerConfig) -> list[Violation]:
-    """Hugging Face models: no pipeline stages (the built-in models have them), and tensor
-    parallelism only for a model whose config ships a plan; decided from config.json, before
-    any process group or model exists."""
-    parallel, path = config.parallel, config.model.pretrained_model_name_or_path
-    violations = []
-    moe = config.moe
-    if (moe.num_experts or 1) > 1 or moe.moe_use_upcycling:
-        flag = "--num-experts" if (moe.num_experts or 1) > 1 else "--moe-use-upcycling"
-        violations.append(
-            Violation(
-                flag,
-                moe.num_experts if flag == "--num-experts" else True,
-                "swaps the FFNs of rapidformer's built-in GPT/BERT; a Hugging Face model keeps "
-                "its own architecture",
-                "fine-tune a Hugging Face MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE: its router "
-                "loss is included by itself) without the flag, or pretrain the built-in GPT/BERT "
-                "with --num-experts (and --moe-use-upcycling --load DENSE_CHECKPOINT)",
-            )
-        )
-    if parallel.pipeline_model_parallel_size > 1:
-        violations.append(
-            Violation(
-                "--pipeline-model-parallel-size",
-                parallel.pipeline_model_parallel_size,
-                "pipeline stages are cut from the built-in GPT/BERT, not from Hugging Face models",
-                "pretrain with the built-in models (--task pretraining), or use "
-                "--tensor-model-parallel-size / ZeRO for fine-tuning",
-            )
-        )
-    if parallel.tensor_model_parallel_size > 1 and path is not None:
-        plan = None
-        if (Path(path).expanduser() / "config.json").is_file():
-            transformers = importlib.import_module("transformers")
-            hf_config = transformers.AutoConfig.from_pretrained(path)
-            plan = getattr(hf_config, "base_model_tp_plan", None)
-        if not plan:
-            violations.append(
-                Violation(
-                    "--tensor-model-parallel-size",
-                    parallel.tensor_model_parallel_size,
-                    f"the model in {path} ships no tensor-parallel plan (base_model_tp_plan); "
-                    "GPT-2, BERT, RoBERTa and T5 have none",
-                    f"fine-tune a family that has one ({HF_TP_FAMILIES}), use ZeRO / FSDP "
-                    "instead, or pretrain with the built-in GPT/BERT, which split themselves",
-                )
-            )
-    return violations
-
-
-def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
-    """``transformers.<auto_class>.from_pretrained(name_or_path, **kwargs)`` with errors that
-    say what is wrong with the directory."""
-    transformers = importlib.import_module("transformers")
-    local = _check_local(name_or_path)
-    try:
-        if not local and hub_unreachable():
-            raise ConnectionError("the hub did not answer a connection within 3 s")
-        model: nn.Module = getattr(transformers, auto_class).from_pretrained(name_or_path, **kwargs)
-    except OSError as exc:
-        if not local:
-            raise _hub_error(name_or_path, "model", exc) from exc
-        raise ConfigError.single(
-            _FLAG,
-            name_or_path,
-            f"holds no loadable model weights ({str(exc).splitlines()[0]})",
-            "pass a directory written by model.save_pretrained(dir)",
-        ) from exc
-    except ValueError as exc:  # e.g. the architecture has no head for this task
-        raise ConfigError.single(
-            _FLAG,
-            name_or_path,
-            f"cannot be loaded as {auto_class} ({str(exc).splitlines()[0]})",
-            "pick a model whose architecture supports the task",
-        ) from exc
-    return model
 
 
 class Finetuner(Trainer):
@@ -215,15 +89,15 @@ class Finetuner(Trainer):
         if defaults and config.model.pretrained_model_name_or_path is None:
             violations.append(
                 Violation(
-                    _FLAG,
+                    PRETRAINED_FLAG,
                     None,
                     "fine-tuning starts from a pretrained model and its tokenizer",
-                    f"pass {_FLAG} DIR (a directory written by save_pretrained)",
+                    f"pass {PRETRAINED_FLAG} DIR (a directory written by save_pretrained)",
                 )
             )
         path = config.model.pretrained_model_name_or_path
         if cls.build_model is Finetuner.build_model:
-            violations += _model_parallel_violations(config)
+            violations += hf_parallel_violations(config)
             if path is not None and task is not None and canonical_task(task) in TASKS:
                 unsupported = task_violation(path, task)
                 violations += [unsupported] if unsupported else []
@@ -284,7 +158,7 @@ class Finetuner(Trainer):
             self._router_aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
-        _check_vocabulary(model, len(self.tokenizer), path)
+        check_vocabulary(model, len(self.tokenizer), path)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
@@ -380,44 +254,14 @@ class Finetuner(Trainer):
         return metrics
 
     def save_pretrained(self, out_dir: str | Path) -> None:
-        """Write the trained model and its tokenizer for ``from_pretrained``; every rank calls
-        it (a sharded model is gathered first), rank 0 writes."""
+        """Write the trained model and its tokenizer for ``AutoModelFor<Task>`` to load;
+        every rank calls it (a sharded model is gathered first), rank 0 writes."""
         state = self.engine.state
         model = state.unwrapped_model if state is not None else self.model
-        while isinstance(model, DistributedDataParallel):
-            model = model.module
-        # Under FSDP2 or DeepSpeed the module holds shards (or 16-bit copies): gather the whole
-        # fp32 weights and hand them to save_pretrained.
+        # Under FSDP2, DeepSpeed or tensor parallelism the module holds shards (or 16-bit
+        # copies): gather the whole fp32 weights (a collective) and write those.
         full = gathered_model_state(state) if state is not None else None
         if self.engine.is_main_process and model is not None:
-            if full is not None and any(isinstance(p, DTensor) for p in model.parameters()):
-                # transformers' save_pretrained of a tensor-parallel model runs collectives
-                # (on this rank only, here): save an ordinary copy of the gathered weights.
-                config = copy.deepcopy(model.config)
-                if hasattr(config, "distributed_config"):
-                    config.distributed_config = None  # its barrier would wait for rank 0 only
-                with torch.device("meta"):
-                    model = type(model)(config)
-                model.load_state_dict(full, assign=True)
-                model.tie_weights()  # type: ignore[operator]
-            model.save_pretrained(out_dir, state_dict=full)  # type: ignore[operator]
-            self.tokenizer.save_pretrained(str(out_dir))
+            save_model(model, self.tokenizer, out_dir, full)
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns
-
-
-def _check_vocabulary(model: nn.Module, tokenizer_size: int, path: str) -> None:
-    """Refuse a tokenizer whose ids the model cannot embed (they would fail on the first batch
-    holding one, as an IndexError naming nothing)."""
-    get = getattr(model, "get_input_embeddings", None)
-    embeddings = get() if callable(get) else None
-    rows = getattr(embeddings, "num_embeddings", None)
-    if isinstance(rows, int) and tokenizer_size > rows:
-        raise ConfigError.single(
-            "--pretrained-model-name-or-path",
-            path,
-            f"its tokenizer has {tokenizer_size} entries but the model embeds only {rows} "
-            "(config.json vocab_size): they do not belong together",
-            "save the tokenizer the model was trained with in that directory, or resize the "
-            "model's embeddings (model.resize_token_embeddings) before fine-tuning",
-        )

@@ -1,55 +1,57 @@
-"""The Pretrainer template: GPT or BERT pretraining on Megatron-style indexed data.
+"""The Pretrainer template: pretraining a built-in model on Megatron-style indexed data.
 
-Every hook has a default built from the flags, so ``rapidformer --task pretraining ...`` runs
-with no user code, and a subclass overrides only what it changes:
+``--tokenizer-type`` picks the model family (:mod:`rapidformer.templates.families`): the built-in
+GPT for ``GPT2BPETokenizer``, BERT for the WordPiece types. The family decides what depends on
+the model; the Pretrainer owns the rest. Every hook has a default built from the flags, so
+``rapidformer --task pretraining ...`` runs with no user code, and a subclass overrides only
+what it changes:
 
-- ``build_model``: the built-in GPT (``--tokenizer-type GPT2BPETokenizer``) or BERT (the
-  WordPiece tokenizer types), sized by ``--num-layers``, ``--hidden-size``,
+- ``build_model``: the family's model, sized by ``--num-layers``, ``--hidden-size``,
   ``--num-attention-heads``, ``--max-position-embeddings`` (default ``--seq-length``) and the
   tokenizer's vocabulary, initialised on the meta device and materialised;
 - ``build_data``: ``--data-path`` (one prefix or a weighted blend) split by ``--split`` into
-  train / valid / test documents; train holds ``--train-iters`` x global batch samples;
+  train / valid / test documents; train holds ``--train-iters`` x global batch samples, made
+  by the family's dataset;
 - the step, split for pipelines: ``model_inputs`` (token ids, and for BERT token types and the
   padding mask) and ``compute_loss``: next-token loss (GPT) or masked-LM plus sentence-order
   loss (BERT); ``batch_weight``: the tokens those losses average over;
-- ``compute_metrics``: masked-LM accuracy for BERT.
+- ``compute_metrics``: the family's evaluation metrics (masked-LM and sentence-order accuracy
+  for BERT).
 
 Pretraining is iteration-based (``--train-iters``), as in Megatron.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.bert_dataset import IGNORE_INDEX, BertDataset, bert_collate
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
-from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
 from rapidformer.data.token_check import check_token_ids
 from rapidformer.data.tokenizers import build_tokenizer
-from rapidformer.distributed import process_group
 from rapidformer.errors import Violation
 from rapidformer.logging import log
-from rapidformer.models.bert import BertConfig, BertModel
-from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import ModelInputs, call_model, local_loss, whole
+from rapidformer.state import ModelInputs, call_model
+from rapidformer.templates.families import CorpusSplit, family_for, family_violations
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
+
+if TYPE_CHECKING:
+    from rapidformer.models.bert import BertModel
+    from rapidformer.models.gpt import GPTModel
 
 SPLITS = ("train", "valid", "test")
 
 
 def model_family(config: RapidformerConfig) -> str:
-    """``gpt`` for the GPT-2 BPE tokenizer, ``bert`` for the WordPiece ones."""
-    return "gpt" if config.data.tokenizer_type == "GPT2BPETokenizer" else "bert"
+    """The name of the family ``--tokenizer-type`` selects (``gpt``, ``bert``)."""
+    return family_for(config.data.tokenizer_type).name
 
 
 def build_pretraining_model(
@@ -57,33 +59,14 @@ def build_pretraining_model(
 ) -> GPTModel | BertModel:
     """The built-in model the flags describe, initialised from --seed (left uninitialised on
     the meta device for ``device="meta"``: the engine initialises it once parallelised)."""
-    model = config.model
-    assert model.num_layers and model.hidden_size and model.num_attention_heads
-    assert model.seq_length is not None
-    positions = model.max_position_embeddings or model.seq_length
-    if model_family(config) == "gpt":
-        gpt = GPTConfig(
-            vocab_size=vocab_size,
-            num_layers=model.num_layers,
-            hidden_size=model.hidden_size,
-            num_attention_heads=model.num_attention_heads,
-            max_position_embeddings=positions,
-            dropout=model.hidden_dropout,
-        )
-        return GPTModel.build(gpt, device=device, seed=config.training.seed)
-    bert = BertConfig(
-        vocab_size=vocab_size,
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        max_position_embeddings=positions,
-        dropout=model.hidden_dropout,
-    )
-    return BertModel.build(bert, device=device, seed=config.training.seed)
+    model = family_for(config.data.tokenizer_type).build_model(config, vocab_size, device)
+    # The annotation is what rapidformer.export converts to Hugging Face; the Pretrainer
+    # itself takes any family's model (build_model asks the family directly).
+    return cast("GPTModel | BertModel", model)
 
 
 class Pretrainer(Trainer):
-    """GPT/BERT pretraining template; see the module docstring."""
+    """Pretraining template for the model families; see the module docstring."""
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
@@ -102,15 +85,7 @@ class Pretrainer(Trainer):
             for flag, value in required.items()
             if value is None
         ]
-        if config.data.tokenizer_type == "GPT2BPETokenizer" and config.data.merge_file is None:
-            violations.append(
-                Violation(
-                    "--merge-file",
-                    None,
-                    "the GPT-2 BPE tokenizer needs its merges file",
-                    "pass --merge-file merges.txt",
-                )
-            )
+        violations += family_violations(config)
         if config.training.epochs is not None:
             violations.append(
                 Violation(
@@ -129,12 +104,17 @@ class Pretrainer(Trainer):
         data = self.config.data
         assert data.tokenizer_type is not None and data.vocab_file is not None
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
-        self.family = model_family(self.config)
+        # Looked up once, after the tokenizer: an unknown type is reported by the tokenizer.
+        self.pretrain_family = family_for(data.tokenizer_type)
+        """The family object every model-dependent hook delegates to."""
+        self.family = self.pretrain_family.name
         self._checked_prefixes: set[str] = set()  # corpora whose token ids were checked
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        model = build_pretraining_model(self.config, self.tokenizer.vocab_size, device="meta")
+        model = self.pretrain_family.build_model(
+            self.config, self.tokenizer.vocab_size, device="meta"
+        )
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
@@ -166,64 +146,30 @@ class Pretrainer(Trainer):
             train=datasets["train"],
             valid=datasets["valid"],
             test=datasets["test"],
-            collate_fn=self._collate(),
+            collate_fn=self.pretrain_family.collate(self.tokenizer, cfg.model.seq_length),
         )
 
     def model_inputs(self, batch: Any) -> ModelInputs:
-        if self.family == "gpt":
-            return (batch["input_ids"],)
-        return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        return self.pretrain_family.inputs(batch)
 
     def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:
-        """Next-token loss (GPT), or masked-LM plus sentence-order loss (BERT)."""
-        if self.family == "gpt":
-            return F.cross_entropy(outputs.float().flatten(0, 1), batch["labels"].flatten())
-        mlm_logits, sop_logits = outputs
-        mlm_loss = F.cross_entropy(
-            mlm_logits.float().flatten(0, 1),
-            batch["mlm_labels"].flatten(),
-            ignore_index=IGNORE_INDEX,
-        )
-        # Under tensor parallelism the MLM loss is a replicated DTensor (vocab-parallel).
-        return local_loss(mlm_loss) + F.cross_entropy(sop_logits.float(), batch["sop_label"])
+        """The family's loss: next-token (GPT), or masked-LM plus sentence-order (BERT)."""
+        return self.pretrain_family.loss(outputs, batch)
 
     def batch_weight(self, batch: Any) -> int | torch.Tensor:
-        """Tokens: every predicted token (GPT), the masked ones (BERT: the MLM term dominates;
-        the sentence-order term rides along per sample)."""
-        if self.family == "gpt":
-            return int(batch["labels"].numel())
-        return (batch["mlm_labels"] != IGNORE_INDEX).sum()
+        """The units the family's loss averages over: every predicted token (GPT), the masked
+        ones (BERT)."""
+        return self.pretrain_family.weight(batch)
 
     def eval_step(self, batch: Any) -> StepOutput:
         assert self.model is not None
         outputs = call_model(self.model, self.model_inputs(batch))
         loss = self.compute_loss(outputs, batch)
-        if self.family == "gpt":
-            return {"loss": loss}
-        mlm_logits, sop_logits = whole(outputs[0]), outputs[1]  # vocab shards gathered
-        labels = batch["mlm_labels"]
-        predicted = labels != IGNORE_INDEX
-        return {
-            "loss": loss,
-            "num_tokens": predicted.sum(),
-            "mlm_correct": ((mlm_logits.argmax(-1) == labels) & predicted).sum(),
-            "sop_correct": (sop_logits.argmax(-1) == batch["sop_label"]).sum(),
-            "samples": torch.tensor(labels.shape[0]),
-        }
+        return {"loss": loss, **self.pretrain_family.statistics(outputs, batch)}
 
     def compute_metrics(self, outputs: list[Mapping[str, Any]]) -> dict[str, float]:
-        if self.family != "bert":
-            return {}
-        # Every rank sums, even one without validation batches: the all-reduce must not hang.
         group = self.engine.mesh.group("dp")
-        mlm_correct, masked, sop_correct, samples = (
-            float(process_group.sum_over_ranks(outputs, key, self.device, group))
-            for key in ("mlm_correct", "num_tokens", "sop_correct", "samples")
-        )
-        return {
-            "mlm_accuracy": mlm_correct / max(masked, 1.0),
-            "sop_accuracy": sop_correct / max(samples, 1.0),
-        }
+        return self.pretrain_family.metrics(outputs, self.device, group)
 
     # ---- plumbing ------------------------------------------------------------------------
     def _blended(
@@ -266,30 +212,5 @@ class Pretrainer(Trainer):
         seq_length = cfg.model.seq_length
         assert seq_length is not None
         seed = cfg.training.seed + SPLITS.index(name)
-        if self.family == "gpt":
-            return GPTDataset(indexed, prefix, name, start, end, num_samples, seq_length, seed)
-        tokenizer = self.tokenizer
-        assert tokenizer.cls is not None and tokenizer.sep is not None
-        assert tokenizer.mask is not None
-        return BertDataset(
-            indexed,
-            prefix,
-            name,
-            start,
-            end,
-            num_samples,
-            seq_length,
-            seed,
-            cls=tokenizer.cls,
-            sep=tokenizer.sep,
-            mask=tokenizer.mask,
-            vocab_size=tokenizer.vocab_size,
-        )
-
-    def _collate(self) -> Any:
-        if self.family == "gpt":
-            return default_collate  # every GPT sample has --seq-length tokens
-        # Fixed shape pads to --seq-length; the dynamic-shape iterator passes a bucket instead.
-        return functools.partial(
-            bert_collate, pad_id=self.tokenizer.pad, pad_to=self.config.model.seq_length
-        )
+        split = CorpusSplit(indexed, prefix, name, start, end, num_samples, seq_length, seed)
+        return self.pretrain_family.dataset(split, self.tokenizer)

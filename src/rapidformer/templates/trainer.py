@@ -16,31 +16,40 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from rapidformer.checkpoint import save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
-from rapidformer.errors import DataError, HookError, Preempted, Violation
+from rapidformer.errors import HookError, Preempted, Violation
 from rapidformer.logging import MetricsLogger, log
 from rapidformer.reliability.peers import naming_lost_peers
 from rapidformer.reliability.spikes import SpikeDetector
 from rapidformer.schedules import build_lr_scheduler
-from rapidformer.state import ModelInputs, StepFunctions, TrainState, call_model, local_loss
+from rapidformer.state import (
+    ModelInputs,
+    StepFunctions,
+    TrainState,
+    call_model,
+    evaluation_context,
+    local_loss,
+)
 from rapidformer.templates.batches import (
+    DataBundle,
     StepOutput,
     batch_size,
     batch_tokens,
+    filler_batch,
     loss_of,
     move_to_device,
     seed_everything,
@@ -49,16 +58,6 @@ from rapidformer.templates.progress import Progress, step_batches
 from rapidformer.templates.resuming import resume
 
 __all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
-
-
-@dataclass
-class DataBundle:
-    """What ``build_data`` returns: map-style datasets and the function that batches them."""
-
-    train: Dataset | None
-    valid: Dataset | None = None
-    test: Dataset | None = None
-    collate_fn: Callable[[list[Any]], Any] | None = None
 
 
 class Trainer(ABC):
@@ -174,7 +173,7 @@ class Trainer(ABC):
         seed_everything(cfg.training.seed)
         data = self.build_data()
         model = self.build_model()
-        train_loader, valid_loader = self._loaders(data)
+        train_loader, valid_loader = data.loaders(cfg.data.micro_batch_size)
         total_steps = self._total_steps(train_loader)
         state = engine.compose(
             model,
@@ -326,12 +325,12 @@ class Trainer(ABC):
         if state.forward_backward.forward_is_collective(state):
             count = process_group.all_reduce_max(count, dp_group, self.device)
         try:
-            with torch.no_grad(), _autocast(state), state.forward_backward.loss_context():
+            with evaluation_context(state):
                 batches = iter(loader)
                 for _ in range(count):
                     batch = next(batches, None)
                     if batch is None:  # lockstep only: this rank's share is done
-                        self.eval_step(move_to_device(_filler_batch(loader), self.device))
+                        self.eval_step(move_to_device(filler_batch(loader), self.device))
                         continue
                     batch = move_to_device(batch, self.device)
                     output = self.eval_step(batch)
@@ -349,18 +348,6 @@ class Trainer(ABC):
         return {"eval_loss": loss_sum / max(weight_sum, 1e-12), **self.compute_metrics(outputs)}
 
     # ---- plumbing ------------------------------------------------------------------------
-    def _loaders(self, data: DataBundle) -> tuple[DataLoader, DataLoader | None]:
-        if data.train is None:
-            raise DataError("build_data() returned no training dataset (DataBundle.train is None)")
-        micro = self.config.data.micro_batch_size
-        train = DataLoader(data.train, batch_size=micro, shuffle=True, collate_fn=data.collate_fn)
-        valid = None
-        if data.valid is not None:
-            valid = DataLoader(
-                data.valid, batch_size=micro, shuffle=False, collate_fn=data.collate_fn
-            )
-        return train, valid
-
     def _total_steps(self, train_loader: DataLoader) -> int:
         training = self.config.training
         if training.train_iters is not None:
@@ -391,18 +378,5 @@ def _check_step_hooks(cls: type[Trainer]) -> None:
         )
 
 
-def _filler_batch(loader: DataLoader) -> Any:
-    """A batch of the validation set's first sample, for forwards a rank only joins."""
-    return loader.collate_fn([loader.dataset[0]])
-
-
 def _due(step: int, interval: int | None) -> bool:
     return interval is not None and step % interval == 0
-
-
-def _autocast(state: TrainState) -> contextlib.AbstractContextManager[Any]:
-    """Evaluation runs the unwrapped model, outside the autocast that wraps the training
-    forward, so it enters autocast itself."""
-    if state.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=state.device.type, dtype=state.autocast_dtype)

@@ -1,0 +1,81 @@
+"""The run plan compose() logs: the accelerations in order, the model state each rank holds,
+and the hardware's peak with the model's FLOPs per token (what MFU is measured against)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.flops import MfuMeter, mfu_meter
+from rapidformer.hardware import Peak, device_peak, precision_support
+from rapidformer.logging import log
+from rapidformer.memory import describe
+from rapidformer.state import TrainState
+
+
+def measure_peak(device: torch.device, config: RapidformerConfig) -> Peak:
+    """This device's peak for the run's precision (a CPU is probed: set-up, rank 0 only)."""
+    return device_peak(device, config.precision.resolved, config.logging.peak_tflops)
+
+
+def model_mfu_meter(
+    state: TrainState, config: RapidformerConfig, peak: Peak, world_size: int
+) -> MfuMeter:
+    """FLOPs per token of the composed model against ``peak``."""
+    model = state.unwrapped_model
+    shape_config = getattr(model, "config", None)
+    seq = config.model.seq_length or _first_int(
+        shape_config, "max_position_embeddings", "n_positions"
+    )
+    checkpointing = config.memory.checkpoint_activations
+    return mfu_meter(model, seq, checkpointing, peak.tflops, world_size)
+
+
+def log_plan(
+    state: TrainState,
+    config: RapidformerConfig,
+    device: torch.device,
+    mesh: ParallelMesh,
+    peak: Peak,
+    meter: MfuMeter,
+) -> None:
+    """Log the plan (call it on rank 0: only rank 0 speaks)."""
+    lines = [f"  {i}. {step}" for i, step in enumerate(state.plan, 1)] or ["  (none)"]
+    log.info(
+        "rapidformer plan on %s, %s; forward-backward: %s, step: %s\n%s",
+        device,
+        mesh.describe(),
+        state.forward_backward.name,
+        state.stepper.name,
+        "\n".join(lines),
+    )
+    held, ddp = state.stepper.expected_bytes(state)
+    log.info("model state on rank 0: %s", describe(held, ddp))
+    precision = config.precision.resolved
+    support, hint = precision_support(device, precision)
+    peak_text = f"{peak.tflops:.3g} TFLOP/s per device" if peak.tflops else "unknown"
+    per_token = meter.per_token
+    recompute = f", {per_token.hardware:.3g} with the recomputed forward" if meter.recompute else ""
+    log.info(
+        "hardware: %s; %s peak %s (%s); model FLOPs per token %.3g%s (%s)",
+        support,
+        precision,
+        peak_text,
+        peak.source,
+        per_token.model,
+        recompute,
+        meter.basis,
+    )
+    if hint:
+        log.warning("precision: %s", hint)
+
+
+def _first_int(config: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0

@@ -1,0 +1,192 @@
+"""Loading and saving pretrained Hugging Face models for fine-tuning.
+
+Every ``from_pretrained`` of the fine-tuning path lives here: the model, its tokenizer and its
+config (read alone, before any process group exists, by the parallelism rules). ``transformers``
+fails with an ``OSError`` or ``ValueError`` that names a file or a class; these functions turn
+it into a :class:`~rapidformer.errors.ConfigError` on ``--pretrained-model-name-or-path`` that
+says what is wrong with the directory (no config.json, no weights, no head for the task, no
+tokenizer) or that the hub cannot be reached, each with its fix.
+
+:func:`save_model` writes the fine-tuned model back for ``from_pretrained`` from weights
+gathered out of whatever holds their shards (FSDP2, DeepSpeed, tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from rapidformer.data.finetune_data import hub_unreachable
+from rapidformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PRETRAINED_FLAG = "--pretrained-model-name-or-path"
+"""The flag every error here names: where the pretrained model comes from."""
+
+__all__ = [
+    "PRETRAINED_FLAG",
+    "check_vocabulary",
+    "load_model",
+    "load_tokenizer",
+    "save_model",
+    "tp_plan_of",
+]
+
+
+def _hub_error(name: str, what: str, exc: BaseException) -> ConfigError:
+    return ConfigError.single(
+        PRETRAINED_FLAG,
+        name,
+        f"is not a local directory, and loading its {what} from the hub failed (no network "
+        f"access to the hub from this machine, or no such model: {type(exc).__name__})",
+        "download the model where the hub is reachable (save_pretrained) and pass that "
+        "local directory",
+    )
+
+
+def _check_local(name_or_path: str) -> bool:
+    """True for a local model directory (checked to hold a model), False for a hub name."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            files = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+            raise ConfigError.single(
+                PRETRAINED_FLAG,
+                name_or_path,
+                f"holds no model: no config.json there (found: {files})",
+                "pass a directory written by save_pretrained (config.json, model weights, "
+                "tokenizer files)",
+            )
+        return True
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ConfigError.single(
+            PRETRAINED_FLAG, name_or_path, "no such model directory", "check the path"
+        )
+    return False
+
+
+def _probe_hub(local: bool) -> None:
+    """Fail at once on a hub name when the hub is unreachable, instead of after minutes of
+    retries inside ``transformers``."""
+    if not local and hub_unreachable():
+        raise ConnectionError("the hub did not answer a connection within 3 s")
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The fast tokenizer saved with a model (a local directory or a hub name)."""
+    from transformers import AutoTokenizer
+
+    local = _check_local(name_or_path)
+    try:
+        _probe_hub(local)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as exc:
+        if not local:
+            raise _hub_error(name_or_path, "tokenizer", exc) from exc
+        raise ConfigError.single(
+            PRETRAINED_FLAG,
+            name_or_path,
+            f"holds no usable tokenizer ({str(exc).splitlines()[0]})",
+            "save the tokenizer next to the model with tokenizer.save_pretrained(dir)",
+        ) from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
+    return tokenizer
+
+
+def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
+    """``transformers.<auto_class>.from_pretrained(name_or_path, **kwargs)`` with errors that
+    say what is wrong with the directory."""
+    transformers = importlib.import_module("transformers")
+    local = _check_local(name_or_path)
+    try:
+        _probe_hub(local)
+        model: nn.Module = getattr(transformers, auto_class).from_pretrained(name_or_path, **kwargs)
+    except OSError as exc:
+        if not local:
+            raise _hub_error(name_or_path, "model", exc) from exc
+        raise ConfigError.single(
+            PRETRAINED_FLAG,
+            name_or_path,
+            f"holds no loadable model weights ({str(exc).splitlines()[0]})",
+            "pass a directory written by model.save_pretrained(dir)",
+        ) from exc
+    except ValueError as exc:  # e.g. the architecture has no head for this task
+        raise ConfigError.single(
+            PRETRAINED_FLAG,
+            name_or_path,
+            f"cannot be loaded as {auto_class} ({str(exc).splitlines()[0]})",
+            "pick a model whose architecture supports the task",
+        ) from exc
+    return model
+
+
+def tp_plan_of(name_or_path: str) -> Any:
+    """The tensor-parallel plan (``base_model_tp_plan``) the model's config.json ships, read
+    without weights; None when it has none, or for a hub name (not fetched by validation)."""
+    if not (Path(name_or_path).expanduser() / "config.json").is_file():
+        return None
+    transformers = importlib.import_module("transformers")
+    return getattr(
+        transformers.AutoConfig.from_pretrained(name_or_path), "base_model_tp_plan", None
+    )
+
+
+def check_vocabulary(model: nn.Module, tokenizer_size: int, path: str) -> None:
+    """Refuse a tokenizer whose ids the model cannot embed (they would fail on the first batch
+    holding one, as an IndexError naming nothing)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and tokenizer_size > rows:
+        raise ConfigError.single(
+            PRETRAINED_FLAG,
+            path,
+            f"its tokenizer has {tokenizer_size} entries but the model embeds only {rows} "
+            "(config.json vocab_size): they do not belong together",
+            "save the tokenizer the model was trained with in that directory, or resize the "
+            "model's embeddings (model.resize_token_embeddings) before fine-tuning",
+        )
+
+
+def save_model(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    state_dict: dict[str, Any] | None = None,
+) -> None:
+    """Write ``model`` and ``tokenizer`` into ``out_dir`` for ``from_pretrained``; one rank
+    calls it. ``state_dict``, where given, is the whole model gathered from its shards (FSDP2,
+    DeepSpeed, tensor parallelism) and is written in place of the module's own tensors."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    if state_dict is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+        model = _plain_copy(model, state_dict)
+    model.save_pretrained(out_dir, state_dict=state_dict)  # type: ignore[operator]
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def _plain_copy(model: nn.Module, state_dict: dict[str, Any]) -> nn.Module:
+    """An ordinary (not tensor-parallel) copy of ``model`` holding ``state_dict``.
+
+    ``save_pretrained`` of a model loaded with a tensor-parallel plan gathers its DTensors and
+    waits at a barrier, collectives that here only the writing rank would enter, even when it
+    is handed the whole ``state_dict``: so the copy is saved instead, built on the meta device
+    (no memory until the gathered tensors are assigned)."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "distributed_config"):
+        config.distributed_config = None  # its barrier would wait for rank 0 only
+    with torch.device("meta"):
+        plain = type(model)(config)
+    plain.load_state_dict(state_dict, assign=True)
+    plain.tie_weights()  # type: ignore[operator]
+    return plain
