@@ -33,7 +33,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     precision = sections["precision"]["data"]["rows"]
     assert set(precision) == {"fp32", "bf16", "fp16"} and precision["fp32"]["vs_fp32"] == 1.0
     gpt = sections["gpt"]["data"]["rows"]
-    assert len(gpt) == 8
+    assert len(gpt) == 10
     for name, row in gpt.items():
         assert row["tokens_per_s"] > 0 and row["mfu"] > 0, (name, row)
         # Checkpointing: the hardware also runs the recomputed forward.
@@ -41,6 +41,8 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert row.get("hardware_tflops", row["tflops"]) >= row["tflops"]
         assert any("bf16" in step for step in row["plan"]), row["plan"]
         assert any("compile" in step for step in row["plan"]) == ("compile" in name), name
+        if "compile" in name:  # the run counted its graphs, and none fell back to eager
+            assert row["compile_graphs"] >= 1 and row["compile_fallbacks"] == 0, (name, row)
     dynamic = sections["dynamic_shape"]["data"]["rows"]
     # A length-skewed corpus: dynamic shape pads far less than fixed shape.
     assert dynamic["dynamic-shape"]["padding_fraction"] < dynamic["fixed-shape"]["padding_fraction"]

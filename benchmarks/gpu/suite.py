@@ -6,8 +6,9 @@ Sections (each timed, each failing on its own without stopping the others):
    and bf16: samples/s, ratio to fp32, peak memory (the reference tool's table; its anchor:
    1.73x for mixed precision).
 2. ``gpt``: GPT-350M (24 x 1024) and GPT-1.3B (24 x 2048), bf16, fused AdamW, at sequence
-   length 1024: eager, ``--torch-compile``, ``--checkpoint-activations`` and both: tokens/s,
-   TFLOP/s, MFU, peak memory.
+   length 1024: eager, ``--torch-compile`` (per block, and ``--torch-compile-scope model``),
+   ``--checkpoint-activations`` and compile + checkpointing: tokens/s, TFLOP/s, MFU, peak
+   memory, and the compiled graphs and eager fallbacks the run counted.
 3. ``optimizers``: one ``optimizer.step()`` over GPT-350M's parameters: fused AdamW vs LAMB.
 4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
 5. ``onnxruntime``: a training step with ONNX Runtime (CUDA execution provider where the
@@ -85,6 +86,7 @@ GPT_SIZES = {"GPT-350M": (24, 1024, 16, 8), "GPT-1.3B": (24, 2048, 16, 4)}
 VARIANTS = {
     "eager": {},
     "compile": {"torch_compile": True},
+    "compile (model scope)": {"torch_compile": True, "torch_compile_scope": "model"},
     "checkpointing": {"checkpoint_activations": True},
     "compile + checkpointing": {"torch_compile": True, "checkpoint_activations": True},
 }
@@ -138,6 +140,7 @@ def gpt_run(
         "peak_memory_mb": _peak_mb(engine.device),
         "warmup_s": warmup_s,
         "loss": final_loss,
+        **engine.step_metrics(),  # compile_graphs / compile_fallbacks where compiled
         "plan": [str(p) for p in state.plan],
     }
     engine.close()

@@ -214,6 +214,23 @@ class NoRouting:
         return {}
 
 
+class StepMonitor(Protocol):
+    """Something that watches the run step by step (e.g. how many graphs compile made): the
+    engine calls it after every step and merges its metrics into the logged ones."""
+
+    def after_step(self, step: int, main_process: bool) -> None:
+        """Step ``step`` (1-based) ended; only the main process logs."""
+        ...
+
+    def metrics(self) -> dict[str, Any]:
+        """Figures for the next log line."""
+        ...
+
+    def close(self) -> None:
+        """Stop watching."""
+        ...
+
+
 class Stepper(Protocol):
     """Applies one step's gradients; see the module docstring."""
 
@@ -293,6 +310,8 @@ class TrainState:
     ``expert_average_group`` and divided by the ep degree instead of averaged over dp."""
     expert_average_group: Any = None
     expert_parallel_size: int = 1
+    monitors: list[StepMonitor] = field(default_factory=list)
+    """Watchers the engine calls after every step (compile's graph count and fallbacks)."""
     _settled_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -36,7 +36,8 @@ def test_compiled_blocks_match_eager_and_compile_once_per_bucket(tmp_path: Path)
     assert state is not None
     plan = [str(step) for step in state.plan]
     assert any(
-        p.startswith("compile: torch.compile (inductor) (mode default, 2 x Block") for p in plan
+        p.startswith("compile: torch.compile (inductor) (scope blocks (blocks: 2 x Block), mode")
+        for p in plan
     )
     assert plan.index(next(p for p in plan if p.startswith("compile"))) == 1  # after checkpointing
     # Loss parity: measured max difference 6.4e-7 over 12 steps (inductor reorders reductions).
@@ -53,6 +54,8 @@ def test_compiled_blocks_match_eager_and_compile_once_per_bucket(tmp_path: Path)
     shapes = len(loader.collate_fn.shapes_seen)
     graphs = counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 2 * shapes + 1 < STEPS, (graphs, shapes)
+    # The run counted the same graphs itself, and nothing fell back to eager.
+    assert compiled.engine.step_metrics() == {"compile_graphs": graphs, "compile_fallbacks": 0}
     assert any(cache.iterdir())  # inductor wrote its kernels where --torch-compile-cache-dir says
     torch._dynamo.reset()
 

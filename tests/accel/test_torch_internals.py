@@ -65,3 +65,20 @@ def test_fused_optimizer_device_list_still_exists() -> None:
         "_fused_adamw_supported in rapidformer/accel/optimizers.py"
     )
     assert "cpu" in _foreach_utils._get_fused_kernels_supported_devices()
+
+
+def test_dynamo_still_counts_graphs_and_reports_recompile_limits_where_we_read_them() -> None:
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import counters
+
+    from rapidformer.accel.compile_watch import _DYNAMO_LOGGER, compiled_graphs
+
+    assert isinstance(counters["stats"]["unique_graphs"], int), (
+        "torch._dynamo.utils.counters['stats']['unique_graphs'] is gone; update "
+        "compiled_graphs in rapidformer/accel/compile_watch.py"
+    )
+    assert compiled_graphs() == counters["stats"]["unique_graphs"]
+    assert convert_frame.log.name == _DYNAMO_LOGGER, (
+        "dynamo reports recompile-limit hits on another logger now; update _DYNAMO_LOGGER in "
+        "rapidformer/accel/compile_watch.py"
+    )

@@ -4,6 +4,7 @@ reloads the same; bad directories give errors naming --pretrained-model-name-or-
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from torch.distributed.tensor import DTensor, distribute_module
 from rapidformer.errors import ConfigError
 from rapidformer.models.hf import (
     check_vocabulary,
+    disable_generation_cache,
+    generation_cache,
     load_model,
     load_tokenizer,
     save_model,
@@ -115,3 +118,18 @@ def test_the_tensor_parallel_plan_is_read_from_config_json(gpt2: Path, tmp_path:
     assert tp_plan_of("some-org/some-model") is None  # a hub name is not fetched
     plan = tp_plan_of(str(tiny_model("llama", tmp_path / "llama")))
     assert plan and any("q_proj" in key for key in plan)
+
+
+def test_training_runs_without_the_generation_cache_and_saving_keeps_the_models_own(
+    gpt2: Path, tmp_path: Path
+) -> None:
+    model = load_model(str(gpt2), CAUSAL)
+    assert model.config.use_cache is True  # GPT-2's own setting
+    assert disable_generation_cache(model) and model.config.use_cache is False
+    assert not disable_generation_cache(model)  # once only: the original stays recorded
+    with generation_cache(model):
+        assert model.config.use_cache is True
+    assert model.config.use_cache is False
+    save_model(model, load_tokenizer(str(gpt2)), tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False  # still training

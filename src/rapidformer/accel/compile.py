@@ -1,10 +1,18 @@
-"""torch.compile per transformer block.
+"""torch.compile per transformer block, or of the whole model (``--torch-compile-scope``).
 
-TorchDynamo traces each block's forward into a graph and TorchInductor generates fused kernels
-for it (C++/OpenMP on CPU, Triton on CUDA), and for the backward that AOTAutograd derives.
-Compiling the repeated blocks rather than the whole model keeps the first compile short (the
-blocks share one class, so one graph serves all of them) and leaves the embedding, the loss
-and anything data-dependent outside the graph, in eager mode.
+TorchDynamo traces a forward into a graph and TorchInductor generates fused kernels for it
+(C++/OpenMP on CPU, Triton on CUDA), and for the backward that AOTAutograd derives.
+
+* ``blocks`` (default): each repeated block is compiled. The first compile stays short (the
+  blocks share one class, so one graph serves all of them); the embedding, the head, the loss
+  and anything data-dependent stay eager.
+* ``model``: every part this rank holds is compiled whole, head included; a template that owns
+  its loss (``compute_loss``: the Pretrainer, the Finetuner) compiles that too, so the logits'
+  upcast and the cross-entropy fuse instead of running as separate kernels.
+
+Hugging Face models train with ``use_cache=False`` (:mod:`rapidformer.accel.generation_cache`):
+their generation cache made every layer a new guard and sent most blocks to eager. Whatever
+still recompiles past dynamo's limit is reported loudly (:mod:`rapidformer.accel.compile_watch`).
 
 Shapes: a graph is specialised to its input shapes (``dynamic=False``); a new shape costs one
 more compile. With ``--data-iterator dynamic-shape`` the batches come in a bounded set of
@@ -23,11 +31,13 @@ blocks). ``nn.Module.compile`` compiles in place: state_dict keys do not change.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
 from rapidformer.accel.checkpointing import find_blocks
+from rapidformer.accel.compile_watch import CompileWatch
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.data.dynamic_shape import bucket_lengths
@@ -37,13 +47,18 @@ from rapidformer.state import PlanStep, TrainState
 
 SPARE_COMPILES = 8
 """Compiles allowed beyond one per bucket (short last batches, train and eval modes)."""
+LossFunction = Callable[[Any, Any], torch.Tensor]
+"""A template's ``compute_loss(outputs, batch)``."""
+BACKEND = "inductor"
+"""torch.compile's backend (tests swap in ``"eager"``: the same graphs, no kernel generation)."""
 
 
 def apply_compile(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     graph = config.graph
     if not graph.torch_compile:
         return state
-    blocks = [block for part in state.model_parts for block in find_blocks(part)]
+    whole = graph.torch_compile_scope == "model"
+    blocks = list(state.model_parts) if whole else _blocks(state)
     if not blocks:
         raise ConfigError.single(
             "--torch-compile",
@@ -63,23 +78,41 @@ def apply_compile(state: TrainState, config: RapidformerConfig, mesh: ParallelMe
         limit = max(torch._dynamo.config.recompile_limit, buckets + SPARE_COMPILES)
         torch._dynamo.config.recompile_limit = limit
         shapes = f"one graph per bucket: {buckets} buckets, recompile limit {limit}"
+    mode = graph.torch_compile_mode if BACKEND == "inductor" else None
     for block in blocks:
-        block.compile(mode=graph.torch_compile_mode, dynamic=False)
+        block.compile(backend=BACKEND, mode=mode, dynamic=False)
+    state.monitors.append(CompileWatch(graph.torch_compile_scope))
     cache = graph.torch_compile_cache_dir or "inductor's default cache"
+    what = "whole model" if whole else "blocks"
     state.plan.append(
         PlanStep(
             "compile",
-            "torch.compile (inductor)",
-            f"mode {graph.torch_compile_mode}, {len(blocks)} x {type(blocks[0]).__name__}, "
-            f"{shapes}, cache {cache}",
+            f"torch.compile ({BACKEND})",
+            f"scope {graph.torch_compile_scope} ({what}: {len(blocks)} x "
+            f"{type(blocks[0]).__name__}), mode {graph.torch_compile_mode}, {shapes}, cache "
+            f"{cache}; graphs counted after the first step, eager fallbacks logged",
         )
     )
     return state
 
 
+def compiled_loss(config: RapidformerConfig, loss: LossFunction) -> LossFunction:
+    """``loss`` compiled where ``--torch-compile-scope model`` asks for the whole step's
+    graph (a template that owns its loss calls this), else ``loss`` itself."""
+    graph = config.graph
+    if not graph.torch_compile or graph.torch_compile_scope != "model":
+        return loss
+    mode = graph.torch_compile_mode if BACKEND == "inductor" else None
+    return cast(LossFunction, torch.compile(loss, backend=BACKEND, mode=mode, dynamic=False))
+
+
+def _blocks(state: TrainState) -> list[torch.nn.Module]:
+    return [block for part in state.model_parts for block in find_blocks(part)]
+
+
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    """--torch-compile-mode and --torch-compile-cache-dir only mean something with
-    --torch-compile."""
+    """--torch-compile-mode, --torch-compile-cache-dir and --torch-compile-scope only mean
+    something with --torch-compile."""
     graph = config.graph
     if graph.torch_compile:
         return
@@ -93,4 +126,8 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             graph.torch_compile_cache_dir,
             "needs --torch-compile",
             "add it",
+        )
+    if graph.torch_compile_scope != "blocks":
+        yield Violation(
+            "--torch-compile-scope", graph.torch_compile_scope, "needs --torch-compile", "add it"
         )

@@ -32,6 +32,7 @@ DecayStyle = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "fp16", "bf16"]
 OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+CompileScope = Literal["blocks", "model"]
 ZeroBackend = Literal["native", "deepspeed"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
 TokenDropPolicy = Literal["probs", "position"]
@@ -275,6 +276,10 @@ class GraphConfig:
     torch_compile_cache_dir: str | None = None
     """Directory for inductor's compiled-kernel cache (TORCHINDUCTOR_CACHE_DIR), reused by
     later runs; default: inductor's own. Needs --torch-compile."""
+    torch_compile_scope: CompileScope = "blocks"
+    """What --torch-compile compiles: blocks (each transformer block: short compiles, one
+    graph shared by all blocks) or model (the whole model, its head included, and the
+    template's compute_loss where the template owns the loss). Needs --torch-compile."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from rapidformer.accel.compile import compiled_loss
 from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.stepper import TorchStepper
 from rapidformer.config.env import LaunchEnv
@@ -154,6 +155,13 @@ class RapidformerEngine:
         self.log_plan()
         return state
 
+    def compiled_loss(
+        self, loss: Callable[[Any, Any], torch.Tensor]
+    ) -> Callable[[Any, Any], torch.Tensor]:
+        """A template's ``compute_loss`` as this run compiles it: compiled with the model under
+        ``--torch-compile-scope model``, else unchanged."""
+        return compiled_loss(self.config, loss)
+
     def log_plan(self) -> None:
         """Log the plan compose() applied (rank 0)."""
         state = self._require_state()
@@ -225,6 +233,8 @@ class RapidformerEngine:
         if outcome.skipped and self.is_main_process:
             log.warning("step %d skipped: %s", self.guard.steps + 1, outcome.reason)
         self.guard.count(outcome.skipped, outcome.reason)
+        for monitor in state.monitors:
+            monitor.after_step(self.guard.steps, self.is_main_process)
         return outcome
 
     def watch_signals(self) -> StopSignals:
@@ -240,11 +250,22 @@ class RapidformerEngine:
         dropped fraction); empty without MoE. Every rank must call it (it reduces over dp)."""
         return self._require_state().moe.metrics()
 
+    def step_metrics(self) -> dict[str, Any]:
+        """What the log line adds to loss and speed: the MoE routing statistics and every
+        monitor's figures (compile's graphs and fallbacks). Every rank must call it."""
+        state = self._require_state()
+        metrics = state.moe.metrics()
+        for monitor in state.monitors:
+            metrics.update(monitor.metrics())
+        return metrics
+
     def close(self) -> None:
         """Release what the forward-backward slot holds and leave the process group if this
         engine created it."""
         if self.state is not None:
             self.state.forward_backward.close()
+            for monitor in self.state.monitors:
+                monitor.close()
         if self._owns_process_group:
             process_group.destroy_process_group()
             self._owns_process_group = False

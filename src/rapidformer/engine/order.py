@@ -19,6 +19,7 @@ from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.deepspeed import apply_deepspeed, apply_deepspeed_optimizer
+from rapidformer.accel.generation_cache import apply_no_generation_cache
 from rapidformer.accel.materialize import apply_materialize
 from rapidformer.accel.moe import apply_expert_parallel, apply_moe
 from rapidformer.accel.onnxruntime import apply_onnxruntime
@@ -35,6 +36,9 @@ from rapidformer.state import TrainState
 Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
 
 NATIVE_ORDER: tuple[Apply, ...] = (
+    # A Hugging Face model's generation cache goes off first: in training it only costs, and
+    # under compile it makes every layer a new guard.
+    apply_no_generation_cache,
     # MoE layers replace FFNs while the model is whole and on the meta device: the stages,
     # tensor parallelism and sharding then treat MoE blocks like any other.
     apply_moe,
@@ -76,6 +80,7 @@ DEEPSPEED_ORDER: tuple[Apply, ...] = (
     # DeepSpeed's engine owns data parallelism, sharding and precision, so the native steps
     # for them are not here; its rules refuse MoE, pipeline, tensor parallelism, compile and
     # ONNX Runtime. Checkpointing patches the blocks before DeepSpeed wraps the model.
+    apply_no_generation_cache,
     apply_activation_checkpointing,
     apply_materialize,
     # The optimizer DeepSpeed steps (built for the CPU under ZeRO-Offload).

@@ -13,8 +13,10 @@ gathered out of whatever holds their shards (FSDP2, DeepSpeed, tensor parallelis
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,23 +172,61 @@ def save_model(
     while isinstance(model, DistributedDataParallel):
         model = model.module
     if state_dict is not None and any(isinstance(p, DTensor) for p in model.parameters()):
-        model = _plain_copy(model, state_dict)
-    model.save_pretrained(out_dir, state_dict=state_dict)  # type: ignore[operator]
+        model = _plain_copy(model, state_dict, use_cache=getattr(model, _CACHE_SETTING, None))
+    with generation_cache(model):  # config.json keeps the model's own setting
+        model.save_pretrained(out_dir, state_dict=state_dict)  # type: ignore[operator]
     tokenizer.save_pretrained(str(out_dir))
 
 
-def _plain_copy(model: nn.Module, state_dict: dict[str, Any]) -> nn.Module:
+def _plain_copy(
+    model: nn.Module, state_dict: dict[str, Any], use_cache: bool | None = None
+) -> nn.Module:
     """An ordinary (not tensor-parallel) copy of ``model`` holding ``state_dict``.
 
     ``save_pretrained`` of a model loaded with a tensor-parallel plan gathers its DTensors and
     waits at a barrier, collectives that here only the writing rank would enter, even when it
     is handed the whole ``state_dict``: so the copy is saved instead, built on the meta device
     (no memory until the gathered tensors are assigned)."""
-    config = copy.deepcopy(model.config)
+    config: Any = copy.deepcopy(model.config)
     if hasattr(config, "distributed_config"):
         config.distributed_config = None  # its barrier would wait for rank 0 only
+    if use_cache is not None:
+        config.use_cache = use_cache
     with torch.device("meta"):
         plain = type(model)(config)
     plain.load_state_dict(state_dict, assign=True)
     plain.tie_weights()  # type: ignore[operator]
     return plain
+
+
+_CACHE_SETTING = "rapidformer_use_cache"
+"""The attribute that keeps a model's own ``config.use_cache`` while it trains without it."""
+
+
+def disable_generation_cache(model: nn.Module) -> bool:
+    """Train ``model`` without its generation cache: ``config.use_cache = False``, the original
+    kept on the model (:func:`generation_cache` and :func:`save_model` put it back). In
+    training the cache only costs memory and time, and under torch.compile every layer's cache
+    object is a new guard, so the shared block graph recompiles per layer until dynamo's
+    recompile limit sends the rest of the layers to eager. True when something changed."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False) or hasattr(model, _CACHE_SETTING):
+        return False
+    setattr(model, _CACHE_SETTING, True)
+    config.use_cache = False  # type: ignore[union-attr]
+    return True
+
+
+@contextlib.contextmanager
+def generation_cache(model: nn.Module) -> Iterator[None]:
+    """The model's own ``use_cache`` setting for the duration (generation, saving)."""
+    original = getattr(model, _CACHE_SETTING, None)
+    config = getattr(model, "config", None)
+    if original is None or config is None:
+        yield
+        return
+    config.use_cache = original
+    try:
+        yield
+    finally:
+        config.use_cache = False

@@ -155,8 +155,9 @@ class Trainer(ABC):
     # ---- the loop ------------------------------------------------------------------------
     def extra_log_metrics(self) -> dict[str, Any]:
         """Fields added to every logged training line; called on every rank at each logged
-        step (it may reduce over ranks). Default: the MoE routing statistics, if any."""
-        return self.engine.routing_metrics()
+        step (it may reduce over ranks). Default: the MoE routing statistics and the
+        compile figures, if any."""
+        return self.engine.step_metrics()
 
     def fit(self) -> dict[str, float]:
         """Train, evaluate and save as configured; return the final metrics.
@@ -184,6 +185,8 @@ class Trainer(ABC):
             optimizer_fn=self.build_optimizer,
         )
         self.model = state.model
+        if _has_split_step(type(self)):  # the template owns the loss: it may join the graph
+            self.compute_loss = engine.compiled_loss(self.compute_loss)  # type: ignore[method-assign,assignment]
         progress = self._resume(state)
         engine.guard.steps = progress.step
         logger = MetricsLogger(
@@ -205,6 +208,8 @@ class Trainer(ABC):
         with signals, contextlib.closing(logger):
             metrics = self._loop(state, progress, logger, total_steps)
         state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
+        for monitor in state.monitors:
+            monitor.close()
         return metrics
 
     def _loop(
