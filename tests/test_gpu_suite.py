@@ -41,8 +41,10 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert row.get("hardware_tflops", row["tflops"]) >= row["tflops"]
         assert any("bf16" in step for step in row["plan"]), row["plan"]
         assert any("compile" in step for step in row["plan"]) == ("compile" in name), name
-        if "compile" in name:  # the run counted its graphs, and none fell back to eager
-            assert row["compile_graphs"] >= 1 and row["compile_fallbacks"] == 0, (name, row)
+        if "compile" in name:  # the run counted its graphs (the dry run's equal tiny shapes
+            # reuse earlier rows' graphs: 0 new ones is right there), and none fell back
+            assert row["compile_graphs"] >= 0 and row["compile_fallbacks"] == 0, (name, row)
+    assert gpt["GPT-350M compile"]["compile_graphs"] >= 1  # the first compiled row compiles
     dynamic = sections["dynamic_shape"]["data"]["rows"]
     # A length-skewed corpus: dynamic shape pads far less than fixed shape.
     assert dynamic["dynamic-shape"]["padding_fraction"] < dynamic["fixed-shape"]["padding_fraction"]
