@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format docs docs-site bench clean
+.PHONY: install demo test test-fast test-gpu gpu-wheels lint format docs docs-site bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,20 @@ test: $(STAMP) lint docs-site
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# CUDA tests (tests/gpu/, ~3 min on one H200) on the GPU machine's own python3 and torch: no
+# .venv is built there (no package registry). Without pytest on that image, carry the wheels
+# `make gpu-wheels` puts in .gpu-wheels/ (pure Python) and they are installed first.
+GPU_PYTHON ?= python3
+test-gpu:
+	@$(GPU_PYTHON) -c "import pytest" 2>/dev/null || \
+	  $(GPU_PYTHON) -m pip install --quiet --no-index --find-links .gpu-wheels pytest || \
+	  { echo "test-gpu: no pytest for $(GPU_PYTHON); run make gpu-wheels and carry .gpu-wheels"; exit 1; }
+	PYTHONPATH=src:. $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
+
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --only-binary=:all: --no-deps -d .gpu-wheels \
+	  pytest pluggy iniconfig packaging
 
 docs: $(STAMP)
 	$(PY) -m rapidformer.config.docs docs/parameters.md

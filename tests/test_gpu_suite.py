@@ -1,5 +1,6 @@
 """The GPU suite never rots: ``benchmarks/gpu/run.sh --dry-run`` runs every section's code on
-tiny shapes (on this CPU) and writes its JSON and Markdown, with numbers that hang together."""
+tiny shapes (on this CPU) and writes its JSON and Markdown, with numbers that hang together;
+and nothing the GPU machine runs imports a package its image lacks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ import pytest
 
 from tests.conftest import ROOT
 
+MISSING_ON_THE_GPU_IMAGE = (
+    "datasets",
+    "deepspeed",
+    "onnxruntime.training",
+    "torchao",
+    "liger_kernel",
+)
+"""Packages the GPU machine's image does not have (shared notes): nothing it runs may need
+them at import time."""
+
 
 @pytest.mark.slow
 def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
@@ -21,53 +32,58 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
         ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "--dry-run"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # Results only in the results folder: the compile cache lives elsewhere.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_suite.json", "gpu_suite.md"]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
-    assert list(sections) == ["precision", "gpt", "optimizers", "dynamic_shape", "onnxruntime"]
+    names = ["precision", "throughput", "optimizers", "dynamic_shape", "onnxruntime"]
+    assert list(sections) == names
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert result["dry_run"] and result["machine"]["cpu"]
     precision = sections["precision"]["data"]["rows"]
     assert set(precision) == {"fp32", "bf16", "fp16"} and precision["fp32"]["vs_fp32"] == 1.0
-    gpt = sections["gpt"]["data"]["rows"]
-    assert len(gpt) == 10
-    for name, row in gpt.items():
-        assert row["tokens_per_s"] > 0 and row["mfu"] > 0, (name, row)
-        # Checkpointing: the hardware also runs the recomputed forward.
-        assert ("hardware_tflops" in row) == ("checkpointing" in name), name
-        assert row.get("hardware_tflops", row["tflops"]) >= row["tflops"]
-        assert any("bf16" in step for step in row["plan"]), row["plan"]
+    throughput = sections["throughput"]["data"]
+    rows = throughput["rows"]
+    models, variants = ("GPT-tiny", "Llama-tiny"), ("eager", "compile", "compile (model scope)")
+    assert list(rows) == [f"{m} {v}" for m in models for v in variants]
+    assert throughput["repeats"] >= 3
+    for name, row in rows.items():
+        # Every row: the engine beside the hand loop, interleaved repeats, median and spread.
+        ratios = row["ratios"]
+        assert len(ratios) == throughput["repeats"] and all(r > 0 for r in ratios), name
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"], name
+        assert row["engine_tokens_per_s"] > 0 and row["mfu"] > 0, (name, row)
+        # Same start, same steps (bf16 autocast on both sides): the losses agree.
+        engine, hand = row["last_loss"]["engine"], row["last_loss"]["hand"]
+        assert abs(engine - hand) <= 1e-2 * abs(hand), (name, row["last_loss"])
         assert any("compile" in step for step in row["plan"]) == ("compile" in name), name
-        if "compile" in name:  # the run counted its graphs (the dry run's equal tiny shapes
-            # reuse earlier rows' graphs: 0 new ones is right there), and none fell back
+        if "compile" in name:  # counted its graphs (0 new ones where an earlier row's
+            # equal tiny shapes are cached), and none fell back to eager
             assert row["compile_graphs"] >= 0 and row["compile_fallbacks"] == 0, (name, row)
-    assert gpt["GPT-350M compile"]["compile_graphs"] >= 1  # the first compiled row compiles
-    dynamic = sections["dynamic_shape"]["data"]["rows"]
-    # A length-skewed corpus: dynamic shape pads far less than fixed shape.
-    assert dynamic["dynamic-shape"]["padding_fraction"] < dynamic["fixed-shape"]["padding_fraction"]
+        assert any("on the device, no host sync" in step for step in row["plan"]), name
     markdown = (tmp_path / "gpu_suite.md").read_text()
-    assert "## gpt (ok" in markdown and "GPT-1.3B compile + checkpointing" in markdown
+    assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 
 
-def test_engine_vs_hand_dry_run_trains_both_sides_alike(tmp_path: Path) -> None:
-    """The engine-vs-hand-loop benchmark on tiny shapes: both sides start from the same
-    weights and batch and take the same number of steps, so their losses agree (bf16 autocast
-    on both sides: a stated 1e-3 relative tolerance), and every ratio is a positive number."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT / "src")}
-    script = ROOT / "benchmarks" / "gpu" / "engine_vs_hand.py"
+def test_gpu_entry_points_import_without_the_packages_the_gpu_image_lacks() -> None:
+    """The suite's modules and tests/gpu/ import with those packages made unimportable."""
+    blocker = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in {MISSING_ON_THE_GPU_IMAGE!r}):
+            raise ImportError(f"{{name}} is not on the GPU image")
+sys.meta_path.insert(0, Block())
+sys.path[:0] = ["benchmarks/gpu", "benchmarks", "src", "."]
+import suite, side_by_side
+import tests.conftest, tests.gpu.helpers, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
+print("imported")
+"""
     done = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path), "--dry-run", "--label", "dry"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
+        [sys.executable, "-c", blocker], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    row = json.loads((tmp_path / "engine_vs_hand_dry.json").read_text())["rows"]["GPT-tiny"]
-    assert len(row["ratios"]) == 2 and all(r > 0 for r in row["ratios"])
-    engine, hand = row["last_loss"]["engine"], row["last_loss"]["hand"]
-    assert abs(engine - hand) <= 1e-3 * abs(hand), row["last_loss"]
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-3000:]

@@ -5,17 +5,19 @@ Sections (each timed, each failing on its own without stopping the others):
 1. ``precision``: BERT-base (12 layers, hidden 768) pretraining-shaped MLM steps in fp32, fp16
    and bf16: samples/s, ratio to fp32, peak memory (the reference tool's table; its anchor:
    1.73x for mixed precision).
-2. ``gpt``: GPT-350M (24 x 1024) and GPT-1.3B (24 x 2048), bf16, fused AdamW, at sequence
-   length 1024: eager, ``--torch-compile`` (per block, and ``--torch-compile-scope model``),
-   ``--checkpoint-activations`` and compile + checkpointing: tokens/s, TFLOP/s, MFU, peak
-   memory, and the compiled graphs and eager fallbacks the run counted.
+2. ``throughput``: GPT-350M, GPT-1.3B and a Hugging Face Llama of 1.2B, bf16, fused AdamW, at
+   sequence length 1024, eager, compiled per block and compiled whole: each row the engine
+   beside a hand-written loop of the same model in the same process, interleaved, 20 timed
+   steps x 3 repeats after warm-up, with the median engine / hand ratio and its spread, MFU,
+   peak memory, and the compiled graphs and eager fallbacks (``side_by_side.py``).
 3. ``optimizers``: one ``optimizer.step()`` over GPT-350M's parameters: fused AdamW vs LAMB.
 4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
 5. ``onnxruntime``: a training step with ONNX Runtime (CUDA execution provider where the
    installed build has it) vs eager; skipped, with the reason, where it is not installed.
 
 ``--dry-run`` runs the same code on tiny shapes (on a CPU in under two minutes); CI runs it so
-the suite never rots. Writes ``gpu_suite.json`` and ``gpu_suite.md`` to ``--out``.
+the suite never rots. Writes ``gpu_suite.json`` and ``gpu_suite.md`` to ``--out``; compile
+caches belong outside it (``run.sh`` puts them under the temporary directory).
 """
 
 from __future__ import annotations
@@ -37,9 +39,7 @@ sys.path.insert(0, str(HERE.parent))  # the benchmarks' shared modules
 
 from common import footer, stamp  # noqa: E402
 
-from rapidformer import RapidformerConfig, RapidformerEngine  # noqa: E402
 from rapidformer.models.gpt import GPTConfig, GPTModel  # noqa: E402
-from rapidformer.state import StepFunctions  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -80,82 +80,13 @@ def precision_section(dry: bool) -> dict[str, Any]:
     return {"shape": shape, "batch": batch, "seq": seq, "rows": rows}
 
 
-# ---- 2. GPT throughput -------------------------------------------------------------------
-GPT_SIZES = {"GPT-350M": (24, 1024, 16, 8), "GPT-1.3B": (24, 2048, 16, 4)}
-"""name -> layers, hidden, heads, micro-batch (sequence length 1024)."""
-VARIANTS = {
-    "eager": {},
-    "compile": {"torch_compile": True},
-    "compile (model scope)": {"torch_compile": True, "torch_compile_scope": "model"},
-    "checkpointing": {"checkpoint_activations": True},
-    "compile + checkpointing": {"torch_compile": True, "checkpoint_activations": True},
-}
+# ---- 2. throughput: the engine beside a hand-written loop ------------------------------
+def throughput_section(dry: bool) -> dict[str, Any]:
+    import side_by_side
 
-
-def gpt_run(
-    layers: int, hidden: int, heads: int, batch: int, seq: int, steps: int, options: dict[str, Any]
-) -> dict[str, Any]:
-    import torch.nn.functional as F
-
-    config = RapidformerConfig.from_dict(
-        {"lr": 1e-4, "precision": "bf16", "optimizers": "apex_adam", "seq_length": seq, **options}
-    )
-    engine = RapidformerEngine(config, builds_optimizer=True)
-    _reset_memory(engine.device)
-    model = GPTModel.build(
-        GPTConfig(
-            vocab_size=50304,
-            num_layers=layers,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            max_position_embeddings=seq,
-            dropout=0.0,
-        ),
-        device="meta",  # the engine materialises it on its device
-    )
-    state = engine.compose(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 50304, (batch, seq + 1), generator=generator).to(engine.device)
-
-    def loss(batch_ids: torch.Tensor) -> torch.Tensor:
-        logits = state.model(batch_ids[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch_ids[:, 1:].flatten())
-
-    step = StepFunctions(train_step=loss, weight=lambda b: b.shape[0])
-    started = time.perf_counter()
-    for _ in range(3):  # warm-up (and the compile, when on)
-        engine.run_step([ids], step)
-    _sync(engine.device)
-    warmup_s = time.perf_counter() - started
-    started = time.perf_counter()
-    for _ in range(steps):
-        result = engine.run_step([ids], step)
-    final_loss = result.loss  # the one host read: the steps are done
-    elapsed = time.perf_counter() - started
-    tokens_per_s = batch * seq * steps / elapsed
-    assert engine.mfu is not None
-    row = {
-        "tokens_per_s": tokens_per_s,
-        **engine.mfu.fields(tokens_per_s),
-        "peak_memory_mb": _peak_mb(engine.device),
-        "warmup_s": warmup_s,
-        "loss": final_loss,
-        **engine.step_metrics(),  # compile_graphs / compile_fallbacks where compiled
-        "plan": [str(p) for p in state.plan],
-    }
-    engine.close()
-    _reset_memory(engine.device)
-    return row
-
-
-def gpt_section(dry: bool) -> dict[str, Any]:
-    sizes = {"GPT-350M": (2, 64, 4, 2), "GPT-1.3B": (2, 64, 4, 2)} if dry else GPT_SIZES
-    seq, steps = (32, 2) if dry else (1024, 10)
-    rows: dict[str, dict[str, Any]] = {}
-    for name, (layers, hidden, heads, batch) in sizes.items():
-        for variant, options in VARIANTS.items():
-            rows[f"{name} {variant}"] = gpt_run(layers, hidden, heads, batch, seq, steps, options)
-    return {"seq": seq, "rows": rows}
+    args = side_by_side.dry_run_sizes(side_by_side.parser().parse_args(["--out", "-"]))
+    args.dry_run = dry
+    return side_by_side.run_table(side_by_side.dry_run_sizes(args))
 
 
 # ---- 3. optimizers -----------------------------------------------------------------------
@@ -234,7 +165,7 @@ def onnxruntime_section(dry: bool) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "precision": precision_section,
-    "gpt": gpt_section,
+    "throughput": throughput_section,
     "optimizers": optimizer_section,
     "dynamic_shape": dynamic_section,
     "onnxruntime": onnxruntime_section,
@@ -256,7 +187,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
             lines += [f"Skipped: {data['skipped']}", ""]
             continue
         rows = data["rows"]
-        keys = sorted({k for row in rows.values() for k in row if k != "plan"})
+        skip = {"plan", "tokens_per_s", "ratios", "warmup_s", "last_loss"}
+        keys = sorted({k for row in rows.values() for k in row if k not in skip})
         lines.append("| | " + " | ".join(keys) + " |")
         lines.append("|---|" + "---|" * len(keys))
         for row_name, row in rows.items():

@@ -89,17 +89,17 @@ class MetricsLogger:
         step: int,
         *,
         loss: float | torch.Tensor,
-        lr: float,
+        lr: float | torch.Tensor,
         grad_norm: float | torch.Tensor,
         samples: int,
         tokens: torch.Tensor | int,
-        skipped: bool,
+        skipped: bool | torch.Tensor,
     ) -> list[tuple[int, float, bool]] | None:
-        """Record one optimizer step (call on every rank; only rank 0 writes). Loss, gradient
-        norm and tokens may be device tensors: they are read to the host once per logged
-        window, all in one copy, never at the other steps. Returns, at a logged step, the
-        window's ``(step, loss, skipped)`` as host numbers (e.g. for the spike check), else
-        None."""
+        """Record one optimizer step (call on every rank; only rank 0 writes). Loss, learning
+        rate, gradient norm, tokens and the skip flag may be device tensors: they are read to
+        the host once per logged window, all in one copy, never at the other steps. Returns,
+        at a logged step, the window's ``(step, loss, skipped)`` as host numbers (e.g. for the
+        spike check), else None."""
         self._window.append((step, loss, skipped))
         self._samples += samples
         self._tokens = self._tokens + tokens
@@ -108,13 +108,26 @@ class MetricsLogger:
         if step % self.log_interval and step != self.total_steps:
             return None
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
-        values = self._read([*(entry[1] for entry in self._window), grad_norm, self._tokens])
-        losses, norm, tokens_read = values[:-2], values[-2], values[-1]
-        window = [(s, value, k) for (s, _, k), value in zip(self._window, losses, strict=True)]
+        count = len(self._window)
+        values = self._read(
+            [
+                *(entry[1] for entry in self._window),
+                *(entry[2] for entry in self._window),
+                lr,
+                grad_norm,
+                self._tokens,
+            ]
+        )
+        losses, skips = values[:count], values[count : 2 * count]
+        lr_read, norm, tokens_read = values[-3:]
+        window = [
+            (s, value, bool(k))
+            for (s, _, _), value, k in zip(self._window, losses, skips, strict=True)
+        ]
         record = {
             "step": step,
             "loss": sum(losses) / len(losses),
-            "lr": lr,
+            "lr": lr_read,
             "grad_norm": norm,
             "samples_per_s": self._samples / elapsed,
             "tokens_per_s": tokens_read / elapsed,
@@ -143,7 +156,7 @@ class MetricsLogger:
 
     def _reset_window(self) -> None:
         self._window_start = time.perf_counter()
-        self._window: list[tuple[int, float | torch.Tensor, bool]] = []
+        self._window: list[tuple[int, float | torch.Tensor, bool | torch.Tensor]] = []
         self._samples = 0
         self._tokens = 0
 

@@ -98,20 +98,18 @@ def whole(tensor: Any) -> Any:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What the stepper did with one step's gradients."""
+    """What the stepper did with one step's gradients. Where the step was decided on the
+    device, its numbers and its skip flag are 0-dim device tensors (reading one waits)."""
 
     grad_norm: float | torch.Tensor
-    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step); a 0-dim
-    device tensor where the stepper computed it (reading it would wait for the device)."""
-    lr: float
+    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step)."""
+    lr: float | torch.Tensor
     """Learning rate the step used."""
-    skipped: bool
-    """True when the step was not applied (a non-finite loss or gradient, or an fp16
+    skipped: bool | torch.Tensor
+    """True (1.0) when the step was not applied (a non-finite loss or gradient, or an fp16
     overflow)."""
     stop: bool = False
     """True when every rank agreed to stop after this step (a stop signal arrived)."""
-    reason: str = ""
-    """Why the step was skipped, for the log."""
 
 
 class ForwardBackward(Protocol):
@@ -189,8 +187,9 @@ class RoutingControl(Protocol):
         """Hand-written loops: the weight of the micro-batch whose forward ran last."""
         ...
 
-    def after_step(self, applied: bool = True) -> None:
-        """The step ended; ``applied`` is False for a skipped one (nothing may move)."""
+    def after_step(self, applied: bool | torch.Tensor = True) -> None:
+        """The step ended; ``applied`` is False (or a device 0.0) for a skipped one (nothing
+        may move)."""
         ...
 
     def metrics(self) -> dict[str, Any]:
@@ -207,7 +206,7 @@ class NoRouting:
     def set_current_scale(self, value: torch.Tensor) -> None:
         """Nothing to hand over."""
 
-    def after_step(self, applied: bool = True) -> None:
+    def after_step(self, applied: bool | torch.Tensor = True) -> None:
         """Nothing to update."""
 
     def metrics(self) -> dict[str, Any]:
@@ -235,6 +234,11 @@ class Stepper(Protocol):
     """Applies one step's gradients; see the module docstring."""
 
     name: str
+
+    def prepare(self, state: TrainState) -> PlanStep | None:
+        """Called once compose() has the optimizer and the LR schedule: set up what the
+        steps need and return a plan line (e.g. where a skip is decided), or None."""
+        ...
 
     def step(self, state: TrainState) -> StepOutcome: ...
 

@@ -62,13 +62,14 @@ def test_sigterm_on_rank_1_stops_both_ranks_at_one_step_and_the_rerun_continues(
 ) -> None:
     run = _torchrun(tmp_path, FAULT_SIGNAL="4:1:SIGTERM")
     assert run.returncode != 0
-    # Both ranks stop at the same step (torchrun's summary shows the first worker's code).
-    assert run.stderr.count("stopped at step 4 of 10 by a stop signal") == 2, run.stderr[-3000:]
+    # Both ranks stop at the same step (torchrun's summary shows the first worker's code): the
+    # step after the signal, whose agreement is read without waiting for the device.
+    assert run.stderr.count("stopped at step 5 of 10 by a stop signal") == 2, run.stderr[-3000:]
     assert "exitcode: 75" in run.stderr
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000004"
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
     resumed = _torchrun(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _continues(uninterrupted, tmp_path, after=4)
+    _continues(uninterrupted, tmp_path, after=5)
 
 
 def test_sigterm_to_torchrun_itself_reaches_every_worker_and_they_save(tmp_path: Path) -> None:

@@ -1,91 +1,135 @@
-"""No host sync inside a step: the loss, gradient norm and token counts stay on the device and
-are read to the host once per --log-interval window. The only per-step read is the step
-guard's agreed decision (skip a non-finite step, stop after a signal), which the step itself
-needs.
-
-Every tensor-to-host conversion that rapidformer's own code makes (``item``, ``tolist``,
-``float()``, ``int()``, ``bool()``, ``cpu``, ``numpy``) is counted by patching those tensor
-methods; on a GPU each would wait for the device to finish the queued work."""
+"""No host sync inside a step: on one rank the engine reads nothing to the host in 20 steps
+(fp32, bf16, fp16); the Trainer reads once per --log-interval window; several ranks read one
+already-finished host copy per step (the agreed stop flag, one step late). See
+tests/host_reads.py for what counts as a read."""
 
 from __future__ import annotations
 
-import sys
+import json
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import rapidformer
-from rapidformer.engine import RapidformerEngine
+from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.reliability.signals import StopSignals
+from rapidformer.schedules import build_lr_scheduler
+from rapidformer.state import StepFunctions
+from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
+from rapidformer.testing.launch import run_distributed
 from tests.conftest import tiny_trainer
+from tests.host_reads import counting_host_reads
 
-PACKAGE = Path(rapidformer.__file__).parent
-READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
-HOST_ONLY = {"data/samplers.py:_rank_indices"}
-"""Reads of tensors that live on the host on any machine (the sampler's CPU permutation at the
-start of each epoch): not a device sync."""
+STEPS = 20
 
 
-class HostReads:
-    """Counts host reads made from rapidformer's code, by the step running when they happen."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.by_step: dict[int, Counter[str]] = {}
-
-    def record(self) -> None:
-        frame = sys._getframe(2)  # the caller of the patched method
-        path = Path(frame.f_code.co_filename)
-        where = (
-            f"{path.relative_to(PACKAGE)}:{frame.f_code.co_name}" if PACKAGE in path.parents else ""
-        )
-        if where and where not in HOST_ONLY:
-            self.by_step.setdefault(self.step, Counter())[where] += 1
-
-
-@pytest.fixture
-def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostReads]:
-    reads = HostReads()
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *args: Any, _original: Callable = original) -> Any:
-            reads.record()
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    run_step = RapidformerEngine.run_step
-
-    def numbered(engine: RapidformerEngine, *args: Any) -> Any:
-        reads.step += 1  # reads from here to the next step's start belong to this step
-        return run_step(engine, *args)
-
-    monkeypatch.setattr(RapidformerEngine, "run_step", numbered)
-    yield reads
+def _engine_run(precision: str, steps: int = STEPS) -> tuple[RapidformerEngine, list[Any]]:
+    """An engine over the tiny LM with the flags' schedule; 2 micro-batches per step."""
+    config = RapidformerConfig.from_dict(
+        {
+            "precision": precision,
+            "lr": 1e-3,
+            "micro_batch_size": 4,
+            "global_batch_size": 8 * _world(),
+            "lr_warmup_iters": 3,
+            "lr_decay_style": "cosine",
+            "log_interval": 1000,  # no log read inside the counted steps
+        }
+    )
+    engine = RapidformerEngine(config, builds_optimizer=True)
+    torch.manual_seed(0)
+    engine.compose(
+        TinyTransformerLM(), lr_scheduler_fn=lambda opt: build_lr_scheduler(opt, config, steps)
+    )
+    data = MarkovLMDataset(steps * 8, seed=5)
+    rank = engine.env.rank
+    batches = [
+        [pad_collate([data[(s * 2 + m) * 4 + i] for i in range(4)]) for m in range(2)]
+        for s in range(steps)
+    ]
+    if rank:  # each rank its own share
+        batches = batches[rank:] + batches[:rank]
+    return engine, batches
 
 
-def test_twenty_steps_read_the_host_only_for_the_guard_and_at_each_log(
-    host_reads: HostReads, tmp_path: Path
-) -> None:
+def _world() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _functions(engine: RapidformerEngine) -> StepFunctions:
+    model = engine.state.model  # type: ignore[union-attr]
+    return StepFunctions(
+        train_step=lambda batch: lm_loss(model, batch)["loss"],
+        weight=lambda batch: (batch["labels"] != -100).sum(),
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_twenty_steps_on_one_rank_read_nothing(precision: str) -> None:
+    engine, batches = _engine_run(precision)
+    assert any("on the device, no host sync" in str(step) for step in engine.state.plan)  # type: ignore[union-attr]
+    functions = _functions(engine)
+    with counting_host_reads() as reads:
+        results = [engine.run_step(group, functions) for group in batches]
+    assert reads.total() == 0, dict(reads.by_step)
+    assert all(not r.skipped for r in results)  # read here, outside the counted steps
+    assert results[-1].loss < results[0].loss
+    engine.close()
+
+
+def test_the_trainer_reads_once_per_log_window(tmp_path: Path) -> None:
     trainer = tiny_trainer(
         *("--train-iters", "20", "--log-interval", "10", "--eval-interval", "1000"),
         *("--global-batch-size", "8", "--micro-batch-size", "4"),  # 2 micro-batches a step
         *("--save", str(tmp_path / "run"), "--save-interval", "1000"),
     )
-    metrics = trainer.fit()
+    with counting_host_reads() as reads:
+        metrics = trainer.fit()
     assert metrics["train_loss"] > 0
-    # The guard's one read per step: the decision must be known before the optimizer steps.
-    # One rank reads its own loss and norm; several read the agreed flags.
-    guard = Counter({"reliability/guard.py:_local_flags": 1})
     for step in range(1, 21):
-        reads = host_reads.by_step.get(step, Counter())
-        if step in (10, 20):
-            # The window's losses, last gradient norm and tokens in one copy (step 20 also
-            # evaluates, saves and returns the final loss).
-            assert reads["logging.py:_read"] == 1, (step, reads)
-        else:
-            assert reads == guard, (step, reads)
-    print({step: dict(reads) for step, reads in sorted(host_reads.by_step.items())})
+        if step == 10:
+            # The window's losses, skip flags, LR, last gradient norm and tokens in one copy;
+            # the guard's skip flags of the window in another.
+            expected = {"logging.py:_read": 1, "reliability/guard.py:settle": 1}
+            assert reads.of(step) == Counter(expected), reads.of(step)
+        elif step != 20:  # step 20 also evaluates, saves and returns the final loss
+            assert reads.of(step) == Counter(), (step, reads.of(step))
+    print({step: dict(counts) for step, counts in sorted(reads.by_step.items())})
+
+
+def _two_ranks(out: str) -> None:
+    torch.set_num_threads(1)
+    engine, batches = _engine_run("fp32")
+    rank = engine.env.rank
+    engine.guard.signals = StopSignals()  # as Trainer.fit does (without the handlers)
+    functions = _functions(engine)
+    stops = []
+    with counting_host_reads() as reads:
+        for step, group in enumerate(batches, start=1):
+            if step == 5 and rank == 1:
+                engine.guard.signals.received = "SIGTERM"  # arrives on rank 1 only
+            stops.append(engine.run_step(group, functions).stop_requested)
+    record = {"reads": {s: dict(c) for s, c in reads.by_step.items()}, "stops": stops}
+    (Path(out) / f"rank_{rank}.json").write_text(json.dumps(record))
+    engine.close()
+
+
+@pytest.mark.distributed
+def test_two_ranks_read_one_finished_host_copy_per_step(tmp_path: Path) -> None:
+    run_distributed(_two_ranks, 2, str(tmp_path))
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        for step in range(2, STEPS + 1):
+            # The stop flag agreed at the previous step, from its host copy: one read.
+            assert record["reads"].get(str(step)) == {"reliability/guard.py:read_stop": 1}, (
+                rank,
+                step,
+                record["reads"],
+            )
+        assert "1" not in record["reads"]  # nothing agreed before the first step
+        # A signal received on rank 1 during step 5 stops both ranks after step 6.
+        assert record["stops"].index(True) == 5, record["stops"]

@@ -43,7 +43,7 @@ from rapidformer.distributed.dims import ParallelDims
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import NonFiniteError, RapidformerError, Violation
 from rapidformer.memory import StateBytes
-from rapidformer.reliability.guard import Verdict
+from rapidformer.reliability.guard import reason
 from rapidformer.state import PlanStep, StepOutcome, TrainState
 
 _STAGES = {"oss": 1, "sdp": 2, "fsdp": 3}
@@ -136,28 +136,38 @@ class DeepSpeedStepper:
         self.engine = engine
         self.fp16 = fp16
 
+    def prepare(self, state: TrainState) -> PlanStep | None:
+        return PlanStep(
+            "step decision",
+            "on the host, one read per step",
+            "DeepSpeed's engine steps unless the host tells it otherwise",
+        )
+
     def step(self, state: TrainState) -> StepOutcome:
-        assert state.optimizer is not None
+        assert state.optimizer is not None and state.step_guard is not None
         lr = state.optimizer.param_groups[0]["lr"]
         # DeepSpeed's gradients live in its own partitioned buffers and its step cannot be
         # skipped from outside: the guard sees the losses only. fp16's loss scaler skips
         # overflow steps itself; in fp32/bf16 a non-finite loss stops the run before the step.
-        verdict = state.step_guard.verdict(None) if state.step_guard else Verdict()
-        if verdict.nonfinite_loss_ranks and not self.fp16:
+        guard = state.step_guard
+        decision = guard.decide(None)
+        flags = guard.take(decision)  # the host decides: one read per step
+        why = reason(flags, len(flags) - 3)
+        if why and not self.fp16:
             raise NonFiniteError(
-                f"--zero-backend deepspeed: {verdict.reason}; DeepSpeed cannot skip a step "
+                f"--zero-backend deepspeed: {why}; DeepSpeed cannot skip a step "
                 "whose gradients it already holds, so the run stops before applying it (the "
                 "parameters and the last checkpoint are intact). Fix: check the data and --lr, "
                 "or use --zero-backend native, which skips such steps"
             )
         self.engine.step()
         skipped = not self.engine.was_step_applied()  # an fp16 overflow step
+        guard.judge(guard.steps + 1, why or ("fp16 gradients overflowed" if skipped else ""))
         if state.lr_scheduler is not None and not skipped:
             state.lr_scheduler.step()
         norm = self.engine.get_global_grad_norm()
-        reason = verdict.reason or ("fp16 gradients overflowed" if skipped else "")
         grad_norm = float(norm) if norm is not None else float("nan")
-        return StepOutcome(grad_norm, lr, skipped, stop=verdict.stop, reason=reason)
+        return StepOutcome(grad_norm, lr, skipped, stop=decision.stop)
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         return expected_state_bytes(self.engine)

@@ -24,6 +24,14 @@ Options (defaults match NVIDIA apex ``FusedLAMB(adam_w_mode=True, use_nvlamb=Fal
 
 The trust ratio is 1 when either norm is 0 (fresh zero-initialised tensors). Parameters
 without a gradient are skipped and their step counters do not advance.
+
+Like torch's fused optimizers, ``step()`` reads two optional attributes that GradScaler and
+rapidformer's stepper set: ``grad_scale`` (divide the gradients by it first) and ``found_inf``
+(a 0-dim device tensor; where it is 1.0 the step moves nothing: the gradients are zeroed, the
+moments keep their values through factors of exactly 1, the step counters do not advance and
+the learning rate is 0). The learning rate may be a 0-dim device tensor too. Step counters live
+on the parameters' device and the bias corrections are computed there: the step never reads a
+device value to the host.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class Lamb(Optimizer):
             "trust_ratio": trust_ratio,
         }
         super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True  # step() reads grad_scale and found_inf
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -76,6 +85,8 @@ class Lamb(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
             for param in group["params"]:
@@ -84,42 +95,64 @@ class Lamb(Optimizer):
                 if param.grad.is_sparse:
                     raise RuntimeError("Lamb does not support sparse gradients")
                 buckets[(param.device, param.dtype)].append(param)
-            for params in buckets.values():
-                self._step_tensors(group, params)
+            for (device, _), params in buckets.items():
+                keep = None if found_inf is None else found_inf.to(device) == 0
+                scale = None if grad_scale is None else grad_scale.to(device)
+                self._step_tensors(group, params, keep, scale)
         return loss
 
-    def _step_tensors(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _step_tensors(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        keep: torch.Tensor | None,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        eps, decay = group["eps"], group["weight_decay"]
         grads = [p.grad for p in params if p.grad is not None]
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != p.device:  # a checkpoint loads counters on the CPU
+                state["step"] = state["step"].to(p.device)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        torch._foreach_add_(steps, 1.0)
+        if grad_scale is not None:
+            grads = list(torch._foreach_div(grads, grad_scale))
+        # A skipped step: zero gradients, moment factors of exactly 1, no count, no LR.
+        lr: float | torch.Tensor = group["lr"]
+        if keep is not None:
+            grads = [torch.where(keep, g, 0.0) for g in grads]
+            beta1_now: float | torch.Tensor = torch.where(keep, beta1, 1.0)
+            beta2_now: float | torch.Tensor = torch.where(keep, beta2, 1.0)
+            lr = lr * keep
+            torch._foreach_add_(steps, keep.float())
+        else:
+            beta1_now, beta2_now = beta1, beta2
+            torch._foreach_add_(steps, 1.0)
 
         # Moments: m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2.
-        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_mul_(exp_avgs, beta1_now)
         torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_mul_(exp_avg_sqs, beta2_now)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
 
         # Adam direction u = m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) bc1 / sqrt(bc2) + eps bc1)
         # with bc = 1 - beta^step: built in place in one new buffer (memory traffic dominates).
         update = torch._foreach_sqrt(exp_avg_sqs)
         if group["bias_correction"]:
-            counts = [int(s.item()) for s in steps]  # CPU scalars: no device synchronisation
-            bc1 = [1.0 - beta1**n for n in counts]
-            torch._foreach_mul_(
-                update, [c1 / (1.0 - beta2**n) ** 0.5 for c1, n in zip(bc1, counts, strict=True)]
-            )
-            torch._foreach_add_(update, [eps * c1 for c1 in bc1])
+            # All tensors' corrections at once, in float64 (as Python computes them).
+            counts = torch.stack(steps).double().clamp(min=1.0)  # a skipped first step: 0
+            bc1 = 1.0 - beta1**counts
+            root_bc2 = (1.0 - beta2**counts).sqrt()
+            torch._foreach_mul_(update, list((bc1 / root_bc2).unbind()))
+            torch._foreach_add_(update, list((bc1 * eps).unbind()))
         else:
             torch._foreach_add_(update, eps)
         torch._foreach_reciprocal_(update)
@@ -138,7 +171,8 @@ class Lamb(Optimizer):
                 (weight_norms > 0) & (update_norms > 0), weight_norms / update_norms, 1.0
             )
             torch._foreach_mul_(update, list(ratios.unbind()))
-        torch._foreach_add_(params, update, alpha=-lr)
+        torch._foreach_mul_(update, -lr)
+        torch._foreach_add_(params, update)
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:

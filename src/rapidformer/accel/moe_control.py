@@ -43,12 +43,12 @@ class MoEControl:
         """Hand-written loops: the weight the last forward's micro-batch got at backward."""
         self.runtime.current_scale().value = value.detach()
 
-    def after_step(self, applied: bool = True) -> None:
+    def after_step(self, applied: bool | torch.Tensor = True) -> None:
         """Move the expert biases (expert_bias balancing) from this step's loads, unless the
-        step was skipped."""
+        step was skipped (``applied`` may be a device 0.0/1.0: then it masks the move)."""
         self.steps += 1
         biased = [layer for layer in self.layers if layer.router.expert_bias is not None]
-        if biased and applied:
+        if biased and applied is not False:
             loads = torch.stack(
                 [layer._stats(layer.router.gate.weight.device).step_counts for layer in biased]
             )
@@ -57,7 +57,12 @@ class MoEControl:
             with torch.no_grad():
                 for layer, err in zip(biased, error, strict=True):
                     assert layer.router.expert_bias is not None
-                    layer.router.expert_bias += self.bias_rate * err.sign()
+                    moved = layer.router.expert_bias + self.bias_rate * err.sign()
+                    if isinstance(applied, torch.Tensor):  # skipped: keep the old biases
+                        moved = torch.where(
+                            applied.to(moved.device) > 0, moved, layer.router.expert_bias
+                        )
+                    layer.router.expert_bias.copy_(moved)
         for layer in self.layers:
             if layer.stats is not None:
                 layer.stats.end_step()

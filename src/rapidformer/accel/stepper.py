@@ -11,11 +11,14 @@ native layout:
    tensor parallelism) give a DTensor norm whose reduction runs over the mesh axes that shard
    them, plain gradients count once, pipeline stages sum their squares; clipping scales all
    gradients by ``clip / norm`` when the norm is larger.
-3. The step guard's verdict (:mod:`rapidformer.reliability.guard`): every rank agrees to skip
-   a step with a non-finite loss or gradient anywhere, and to stop after a stop signal.
-4. The optimizer step (skipped on an fp16 overflow or the guard's verdict: a fused optimizer
-   over DTensors was seen to step anyway, tests/accel/test_sharding.py), the loss-scale update,
-   and the schedule step (not on a skipped step, as in Megatron).
+3. The step guard's decision (:mod:`rapidformer.reliability.guard`): every rank agrees to skip
+   a step with a non-finite loss or gradient anywhere (or an fp16 overflow), and to stop after a
+   stop signal. The skip stays a device tensor.
+4. The optimizer step with that tensor as its ``found_inf`` (:mod:`rapidformer.accel.skipping`):
+   a skipped step moves no parameter or optimizer state, and the schedule counts only applied
+   steps, on the device; then the loss-scale update (which halves the scale after an overflow,
+   also on the device). Where the optimizer or the schedule cannot take a device decision, the
+   stepper reads it to the host once and skips on the host, as the plan says.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.scaler_state import found_inf_flags, inverse_scale, record_unscaled
+from rapidformer.accel.skipping import plan_decision, skipping_when
 from rapidformer.distributed import process_group
 from rapidformer.distributed.tensors import local_part
 from rapidformer.memory import StateBytes, expected_bytes
-from rapidformer.reliability.guard import Verdict
-from rapidformer.state import StepOutcome, TrainState
+from rapidformer.state import PlanStep, StepOutcome, TrainState
 
 
 def clip_gradients(
@@ -157,6 +160,14 @@ class TorchStepper:
 
     def __init__(self, clip_grad: float) -> None:
         self.max_norm = clip_grad if clip_grad > 0 else float("inf")
+        self.on_device = False
+        """Whether a skip is decided on the device (set by :meth:`prepare`)."""
+
+    def prepare(self, state: TrainState) -> PlanStep | None:
+        """Choose, once the optimizer and schedule exist, where a skip is decided."""
+        assert state.optimizer is not None, "compose() built no optimizer"
+        self.on_device, line = plan_decision(state.optimizer, state.lr_scheduler, state.device)
+        return line
 
     def step(self, state: TrainState) -> StepOutcome:
         optimizer = state.optimizer
@@ -171,37 +182,41 @@ class TorchStepper:
             process_group.average_in_buckets(grads, state.gradient_average_group)
         if experts:
             _reduce_expert_gradients(state, parameters)
+        found_inf = None
         if scaler is not None:
             unscale(scaler, optimizer)
-            for found_inf in found_inf_flags(scaler, optimizer):
-                process_group.all_reduce_sum(found_inf, state.mesh.group("world"))
+            flags = found_inf_flags(scaler, optimizer)
+            for flag in flags:  # summed over every rank: all of them skip, or none does
+                process_group.all_reduce_sum(flag, state.mesh.group("world"))
+            found_inf = torch.stack([f.to(state.device) for f in flags]).sum()
         grad_norm = clip_gradients(
             parameters,
             self.max_norm,
             state.mesh.group("pp"),
             state.forward_backward.norm_skips(state),
         )
-        lr = optimizer.param_groups[0]["lr"]
-        verdict = state.step_guard.verdict(grad_norm) if state.step_guard else Verdict()
-        skipped = verdict.skip
-        if scaler is not None:
-            # The scaler's found-inf (summed over ranks above) and the guard's gradient flag
-            # see the same overflow; a non-finite loss alone skips too.
-            skipped = skipped or bool(sum(found_inf_flags(scaler, optimizer)))
+        lr = optimizer.param_groups[0]["lr"]  # the tensor this step reads (the schedule
+        # writes new ones after it)
+        guard = state.step_guard
+        assert guard is not None, "the engine sets the step guard"
+        decision = guard.decide(grad_norm, found_inf)
+        skipped: torch.Tensor | bool
+        if self.on_device:
+            with skipping_when(optimizer, decision.skip):
+                optimizer.step()
+            if state.lr_scheduler is not None:
+                state.lr_scheduler.step(applied=decision.applied)  # type: ignore[call-arg]
+            skipped = decision.skip
+        else:
+            skipped = guard.read_skip(decision)
             if not skipped:
-                scaler.step(optimizer)
-            scaler.update()  # halves the scale after an overflow, from the same found-inf
-        elif not skipped:
-            optimizer.step()
-        if state.lr_scheduler is not None and not skipped:
-            state.lr_scheduler.step()
+                optimizer.step()
+            if state.lr_scheduler is not None and not skipped:
+                state.lr_scheduler.step()
+        if scaler is not None:
+            scaler.update()  # halves the scale after an overflow, from the agreed found-inf
         optimizer.zero_grad(set_to_none=True)
-        reason = verdict.reason
-        if skipped and scaler is not None and not verdict.nonfinite_loss_ranks:
-            reason = f"fp16 gradients overflowed, loss scale lowered to {scaler.get_scale():g}"
-        return StepOutcome(
-            grad_norm=grad_norm.detach(), lr=lr, skipped=skipped, stop=verdict.stop, reason=reason
-        )
+        return StepOutcome(grad_norm=grad_norm.detach(), lr=lr, skipped=skipped, stop=decision.stop)
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         whole = getattr(state.model_parts[0], "whole_model_reference", None)

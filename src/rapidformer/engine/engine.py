@@ -48,7 +48,7 @@ from rapidformer.engine.validation import validate
 from rapidformer.errors import Violation
 from rapidformer.flops import MfuMeter
 from rapidformer.hardware import Peak
-from rapidformer.logging import log, setup_console_logging
+from rapidformer.logging import setup_console_logging
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
 from rapidformer.state import StepFunctions, StepOutcome, TrainState
@@ -91,9 +91,13 @@ class RapidformerEngine:
         )
         self.mesh = ParallelMesh.build(self.dims, self.device.type)
         self.guard = StepGuard(
-            config.training.max_skipped_steps, self.mesh.group("world"), self.device
+            config.training.max_skipped_steps,
+            self.mesh.group("world"),
+            self.device,
+            settle_interval=config.logging.log_interval,
         )
-        """Skips non-finite steps and shares stop requests (:mod:`rapidformer.reliability`)."""
+        """Skips non-finite steps and shares stop requests (:mod:`rapidformer.reliability`);
+        the host reads its flags every --log-interval steps."""
         data = config.data
         self.accumulation_steps = self.dims.accumulation_steps(
             data.micro_batch_size, data.global_batch_size
@@ -149,6 +153,9 @@ class RapidformerEngine:
         self.mfu = model_mfu_meter(state, self.config, self.peak, self.env.world_size)
         if lr_scheduler_fn is not None and state.optimizer is not None:
             state.lr_scheduler = lr_scheduler_fn(state.optimizer)
+        decision = state.stepper.prepare(state)  # where a non-finite step is skipped
+        if decision is not None:
+            state.plan.append(decision)
         state.moe.begin_step()
         self.state = state
         self._late = LateWeights(state, self.dims.dp, self.accumulation_steps)
@@ -227,12 +234,12 @@ class RapidformerEngine:
     def _apply(self, state: TrainState) -> StepOutcome:
         """The stepper's update (or agreed skip) and the bookkeeping after it."""
         outcome = state.stepper.step(state)
-        state.moe.after_step(applied=not outcome.skipped)
+        skipped = outcome.skipped
+        applied = 1.0 - skipped if isinstance(skipped, torch.Tensor) else not skipped
+        state.moe.after_step(applied=applied)
         if self._late is not None:
             self._late.arm()  # a new step begins: DDP syncs only at its last micro-batch
-        if outcome.skipped and self.is_main_process:
-            log.warning("step %d skipped: %s", self.guard.steps + 1, outcome.reason)
-        self.guard.count(outcome.skipped, outcome.reason)
+        self.guard.count()  # every --log-interval steps: log the skipped ones, check the limit
         for monitor in state.monitors:
             monitor.after_step(self.guard.steps, self.is_main_process)
         return outcome

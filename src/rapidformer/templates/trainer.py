@@ -244,6 +244,9 @@ class Trainer(ABC):
             if cfg.checkpoint.save and (
                 last_step or stopping or _due(progress.step, cfg.checkpoint.save_interval)
             ):
+                # A run that has skipped --max-skipped-steps in a row stops here, before it
+                # writes a checkpoint (it would hold nothing new).
+                engine.guard.settle()
                 record = {**asdict(progress), "config": cfg.to_dict()}
                 path = save_checkpoint(
                     cfg.checkpoint.save, progress.step, state, record, keep=cfg.checkpoint.save_keep
@@ -255,6 +258,7 @@ class Trainer(ABC):
                     f"({signal or 'on another rank'}); checkpoint written to {path}. Rerun the "
                     "same command to resume from it"
                 )
+        engine.guard.settle()  # the steps since the last --log-interval
         if result is None:
             return metrics
         return {"train_loss": result.loss, **evaluation}
@@ -303,11 +307,11 @@ class Trainer(ABC):
         return logger.step(
             step,
             loss=result.loss_tensor,
-            lr=result.lr,
+            lr=result.lr_tensor,
             grad_norm=result.grad_norm_tensor,
             samples=sum(batch_size(batch) for batch in batches) * dp,
             tokens=tokens * dp,
-            skipped=result.skipped,
+            skipped=result.skipped_tensor,
         )
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
