@@ -25,7 +25,9 @@ from tests.host_reads import counting_host_reads
 STEPS = 20
 
 
-def _engine_run(precision: str, steps: int = STEPS) -> tuple[RapidformerEngine, list[Any]]:
+def _engine_run(
+    precision: str, steps: int = STEPS, **layout: bool
+) -> tuple[RapidformerEngine, list[Any]]:
     """An engine over the tiny LM with the flags' schedule; 2 micro-batches per step."""
     config = RapidformerConfig.from_dict(
         {
@@ -36,6 +38,7 @@ def _engine_run(precision: str, steps: int = STEPS) -> tuple[RapidformerEngine, 
             "lr_warmup_iters": 3,
             "lr_decay_style": "cosine",
             "log_interval": 1000,  # no log read inside the counted steps
+            **layout,
         }
     )
     engine = RapidformerEngine(config, builds_optimizer=True)
@@ -101,9 +104,10 @@ def test_the_trainer_reads_once_per_log_window(tmp_path: Path) -> None:
     print({step: dict(counts) for step, counts in sorted(reads.by_step.items())})
 
 
-def _two_ranks(out: str) -> None:
+def _two_ranks(out: str, layout: str) -> None:
     torch.set_num_threads(1)
-    engine, batches = _engine_run("fp32")
+    engine, batches = _engine_run("fp32", **({layout: True} if layout else {}))
+    assert any("on the device, no host sync" in str(p) for p in engine.state.plan)  # type: ignore[union-attr]
     rank = engine.env.rank
     engine.guard.signals = StopSignals()  # as Trainer.fit does (without the handlers)
     functions = _functions(engine)
@@ -119,8 +123,11 @@ def _two_ranks(out: str) -> None:
 
 
 @pytest.mark.distributed
-def test_two_ranks_read_one_finished_host_copy_per_step(tmp_path: Path) -> None:
-    run_distributed(_two_ranks, 2, str(tmp_path))
+@pytest.mark.parametrize(
+    "layout", ["", "zero_1_memory_optimization", "zero_3_memory_optimization"]
+)  # DDP, ZeroRedundancyOptimizer (its inner optimizer skips), FSDP2 (DTensor parameters)
+def test_two_ranks_read_one_finished_host_copy_per_step(layout: str, tmp_path: Path) -> None:
+    run_distributed(_two_ranks, 2, str(tmp_path), layout)
     for rank in range(2):
         record = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         for step in range(2, STEPS + 1):

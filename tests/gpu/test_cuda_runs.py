@@ -1,6 +1,6 @@
-"""CUDA paths of whole runs: a checkpoint round trip, the dynamic-shape iterator, ZeRO-2/3 on
-a one-rank NCCL group, and the step that never waits for the device (counted by
-``torch.profiler``)."""
+"""CUDA paths of whole runs: a checkpoint round trip, the dynamic-shape iterator, FSDP2 (the
+ZeRO-3 engine) on a one-rank NCCL group, and the step that never waits for the device (counted
+by ``torch.profiler``)."""
 
 from __future__ import annotations
 
@@ -68,14 +68,37 @@ def one_rank_nccl(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("zero", ["zero_2_memory_optimization", "zero_3_memory_optimization"])
-def test_zero_on_a_one_rank_nccl_group_trains_like_plain(zero: str, one_rank_nccl: None) -> None:
-    reference, engine, _ = train({})
-    engine.close()
-    losses, engine, state = train({zero: True})
+def test_fsdp2_on_a_one_rank_nccl_group_trains_like_plain_and_skips_exactly(
+    one_rank_nccl: None,
+) -> None:
+    """ZeRO-3's CUDA path on one GPU. With one data-parallel rank the flags shard nothing (the
+    plan says so), so the model is sharded here with FSDP2 on a one-rank CUDA mesh: parameters
+    and gradients become DTensors and every reduction runs through NCCL, through the engine's
+    clipping and its on-device skip (fused AdamW over DTensors with ``found_inf``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    reference, engine, state = train({"zero_3_memory_optimization": True})
     assert dist.get_backend() == "nccl"
-    assert any("ZeRO" in str(p) or "FSDP" in str(p) for p in state.plan), state.plan
+    assert any("nothing to shard" in str(p) for p in state.plan), state.plan
+    engine.close()
+    model = tiny_gpt().cuda()
+    mesh = init_device_mesh("cuda", (1,))
+    for block in model.blocks.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses, engine, state = train({}, model=model)
+    assert isinstance(next(state.model.parameters()), DTensor)
     assert max_difference(losses, reference) <= 1e-5
+    before = [p.full_tensor().clone() for p in state.model.parameters()]
+    functions = StepFunctions(
+        train_step=lambda ids: lm_loss(state.model, ids) * float("nan"),
+        weight=lambda ids: ids.shape[0],
+    )
+    assert engine.run_step([batches(1)[0]], functions).skipped
+    after = [p.full_tensor() for p in state.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     engine.close()
 
 
