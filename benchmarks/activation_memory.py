@@ -1,4 +1,6 @@
-"""Activation memory: peak memory of training with and without ``--checkpoint-activations``.
+"""Activation memory and step time per recompute mode: none, ``--checkpoint-activations`` (full,
+every layer), ``--recompute-granularity selective``, ``--recompute-method block`` (half the
+layers) and ``--recompute-method uniform`` (chunks of 2 layers).
 
 Each run is a fresh child process (``sys.executable``), so one run's peak cannot hide the
 next's, and the children run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then serves every
@@ -41,6 +43,20 @@ from rapidformer import DataBundle, Trainer
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, lm_tokens, pad_collate
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ, MICRO_BATCH = 64, 256, 8, 4, 256, 32
+MODES: dict[str, list[str]] = {
+    "none": [],
+    "full (--checkpoint-activations)": ["--checkpoint-activations"],
+    "selective": ["--recompute-granularity", "selective"],
+    "full, block 4 of 8": [
+        *("--recompute-granularity", "full", "--recompute-method", "block"),
+        *("--recompute-num-layers", str(LAYERS // 2)),
+    ],
+    "full, uniform chunks of 2": [
+        *("--recompute-granularity", "full", "--recompute-method", "uniform"),
+        *("--recompute-num-layers", "2"),
+    ],
+}
+"""Mode name -> its flags."""
 MMAP_THRESHOLD = "131072"
 RESULT_PREFIX = "RESULT "  # marks the child's one line of JSON among anything else it prints
 
@@ -98,7 +114,7 @@ class MemoryTrainer(Trainer):
         return lm_tokens(batch)  # the loss is a mean over the real tokens
 
 
-def child(checkpoint: bool, steps: int) -> None:
+def child(mode: str, steps: int) -> None:
     argv = [
         "--train-iters", str(steps), "--micro-batch-size", str(MICRO_BATCH),
         "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", str(10 * steps),
@@ -106,15 +122,14 @@ def child(checkpoint: bool, steps: int) -> None:
         "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
         "--max-position-embeddings", str(SEQ),
     ]  # fmt: skip
-    if checkpoint:
-        argv.append("--checkpoint-activations")
+    argv += MODES[mode]
     trainer = MemoryTrainer(argv)
     trainer.fit()
     end = time.perf_counter()
     peak = peak_rss_kib()
     assert trainer.engine.state is not None
     result = {
-        "checkpoint_activations": checkpoint,
+        "mode": mode,
         "plan": [str(step) for step in trainer.engine.state.plan],
         "baseline_mib": trainer.baseline_kib / 1024,
         "peak_mib": peak / 1024,
@@ -130,10 +145,8 @@ def child(checkpoint: bool, steps: int) -> None:
 
 
 # ---- the parent: interleaved child runs and the report -----------------------------------
-def run_child(checkpoint: bool, steps: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", "--steps", str(steps)]
-    if checkpoint:
-        command.append("--checkpoint-activations")
+def run_child(mode: str, steps: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", "--steps", str(steps), "--mode", mode]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
@@ -165,37 +178,38 @@ def max_loss_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
 def markdown(result: dict[str, Any]) -> list[str]:
     """docs/results/activation_memory.md without the footer (machine, date, command) that
     ``write_results`` adds."""
-    plain, ckpt = result["plain"], result["checkpointed"]
+    modes = result["modes"]
     lines = [
-        "# Activation memory with and without `--checkpoint-activations`",
+        "# Activation memory and step time per recompute mode",
         "",
         f"TinyTransformerLM hidden {HIDDEN}, {LAYERS} layers, {HEADS} heads, micro batch "
         f"{MICRO_BATCH} x {SEQ} tokens, vocab {VOCAB}, dropout 0, fp32, trained "
         f"{result['steps']} steps through the rapidformer Trainer on the CPU. Each run is its own "
         f"process with `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}`; {result['repeats']} runs per "
-        "configuration, interleaved, medians shown. *Peak increment* = peak RSS (`ru_maxrss`) "
+        "mode, interleaved, medians shown. *Peak increment* = peak RSS (`ru_maxrss`) "
         "minus RSS after model, optimizer and data loader creation, before the first step: "
-        "activations plus gradients plus AdamW state (the last two equal in both).",
+        "activations plus gradients plus AdamW state (the last two equal in every mode).",
         "",
-        "| configuration | peak increment (MiB) | RSS before training (MiB) | peak RSS (MiB) "
-        "| s / step |",
-        "|---|---|---|---|---|",
+        "| mode | flags | peak increment (MiB) | vs none | s / step | vs none | max loss diff |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, side in (("plain", plain), ("--checkpoint-activations", ckpt)):
+    none = modes["none"]
+    for name, side in modes.items():
+        flags = " ".join(MODES[name]) or "-"
         lines.append(
-            f"| {name} | {side['median_peak_increment_mib']:.0f} "
-            f"| {side['median_baseline_mib']:.0f} | {side['median_peak_mib']:.0f} "
-            f"| {side['median_seconds_per_step']:.2f} |"
+            f"| {name} | `{flags}` | {side['median_peak_increment_mib']:.0f} "
+            f"| {side['median_peak_increment_mib'] / none['median_peak_increment_mib']:.2f} "
+            f"| {side['median_seconds_per_step']:.2f} "
+            f"| {side['median_seconds_per_step'] / none['median_seconds_per_step']:.2f} "
+            f"| {side['max_abs_loss_diff']:.3g} |"
         )
     lines += [
         "",
-        f"**Peak increment ratio checkpointed / plain: {result['ratio']:.3f}** "
-        f"({result['saved_mib']:.0f} MiB less). Largest difference between any step's loss "
-        f"with and without checkpointing: {result['max_abs_loss_diff']:.3g}.",
-        "",
-        "s / step covers every step, the first included, and the page faults that the mmap "
-        "threshold adds to every large allocation: it shows the recompute cost roughly, it is "
-        "not a speed benchmark.",
+        "Max loss diff: the largest difference between any step's loss in the mode and with no "
+        "recomputation (recomputation must not change the numbers). s / step covers every "
+        "step, the first included, and the page faults that the mmap threshold adds to every "
+        "large allocation: it shows the recompute cost roughly, it is not a speed benchmark "
+        "(the GPU suite times the modes on a GPU).",
     ]
     return lines
 
@@ -209,52 +223,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--checkpoint-activations", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.checkpoint_activations, args.steps)
+        child(args.mode, args.steps)
         return
     steps, repeats = (2, 1) if args.quick else (args.steps, args.repeats)
 
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for repeat in range(repeats):
-        for checkpoint in (False, True):  # interleaved: slow drift hits both alike
-            run = run_child(checkpoint, steps)
-            runs[checkpoint].append(run)
+        for mode in MODES:  # interleaved: slow drift hits every mode alike
+            run = run_child(mode, steps)
+            runs[mode].append(run)
             print(
-                f"run {repeat + 1}/{repeats} checkpoint={checkpoint!s:5s} "
+                f"run {repeat + 1}/{repeats} {mode:32s} "
                 f"peak increment {run['peak_increment_mib']:7.1f} MiB  "
                 f"(RSS {run['baseline_mib']:.0f} -> peak {run['peak_mib']:.0f} MiB)  "
-                f"{run['seconds_per_step']:.2f} s/step  losses "
-                + " ".join(f"{loss:.6f}" for loss in run["losses"]),
+                f"{run['seconds_per_step']:.2f} s/step",
                 flush=True,
             )
             if not run["peak_rose_in_training"]:
                 print("  WARNING: the process peaked before training; the increment is a floor")
-            if checkpoint and not any("checkpointing" in step for step in run["plan"]):
-                sys.exit(f"--checkpoint-activations did not show in the plan: {run['plan']}")
+            if mode != "none" and not any("checkpointing" in step for step in run["plan"]):
+                sys.exit(f"{mode} did not show in the plan: {run['plan']}")
 
-    plain, ckpt = summary(runs[False]), summary(runs[True])
-    ratio = ckpt["median_peak_increment_mib"] / plain["median_peak_increment_mib"]
+    modes = {}
+    for mode, mode_runs in runs.items():
+        modes[mode] = summary(mode_runs)
+        modes[mode]["max_abs_loss_diff"] = max_loss_diff(runs["none"], mode_runs)
     result = {
         "steps": steps,
         "repeats": repeats,
-        "ratio": ratio,
-        "saved_mib": plain["median_peak_increment_mib"] - ckpt["median_peak_increment_mib"],
-        "max_abs_loss_diff": max_loss_diff(runs[False], runs[True]),
-        "plain": plain,
-        "checkpointed": ckpt,
+        "modes": modes,
         "config": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS,
                    "seq_length": SEQ, "micro_batch": MICRO_BATCH,
                    "malloc_mmap_threshold": MMAP_THRESHOLD},
     }  # fmt: skip
-    print(
-        f"median peak increment: plain {plain['median_peak_increment_mib']:.1f} MiB, "
-        f"checkpointed {ckpt['median_peak_increment_mib']:.1f} MiB, ratio {ratio:.3f}; "
-        f"max |loss difference| {result['max_abs_loss_diff']:.3g}"
-    )
-    if result["max_abs_loss_diff"] != 0.0:
-        print("WARNING: the losses differ with checkpointing")
+    none = modes["none"]["median_peak_increment_mib"]
+    for mode, side in modes.items():
+        print(
+            f"{mode}: peak increment {side['median_peak_increment_mib']:.1f} MiB "
+            f"({side['median_peak_increment_mib'] / none:.3f} of none), "
+            f"{side['median_seconds_per_step']:.2f} s/step, "
+            f"max |loss difference| {side['max_abs_loss_diff']:.3g}"
+        )
     if args.quick:
         return
     result = stamp(result)

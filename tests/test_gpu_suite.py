@@ -40,7 +40,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_suite.json", "gpu_suite.md"]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
-    names = ["precision", "throughput", "optimizers", "dynamic_shape", "onnxruntime"]
+    names = ["precision", "throughput", "recompute", "optimizers", "dynamic_shape", "onnxruntime"]
     assert list(sections) == names
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert result["dry_run"] and result["machine"]["cpu"]
@@ -65,6 +65,10 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
             # equal tiny shapes are cached), and none fell back to eager
             assert row["compile_graphs"] >= 0 and row["compile_fallbacks"] == 0, (name, row)
         assert any("on the device, no host sync" in step for step in row["plan"]), name
+    recompute = sections["recompute"]["data"]["rows"]
+    assert list(recompute) == ["none", "full", "selective", "full, block half"]
+    # Recomputation does not change the numbers (the same steps from the same start).
+    assert all(abs(r["loss"] - recompute["none"]["loss"]) <= 1e-2 for r in recompute.values())
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 

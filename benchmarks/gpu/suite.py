@@ -10,6 +10,8 @@ Sections (each timed, each failing on its own without stopping the others):
    beside a hand-written loop of the same model in the same process, interleaved, 20 timed
    steps x 3 repeats after warm-up, with the median engine / hand ratio and its spread, MFU,
    peak memory, and the compiled graphs and eager fallbacks (``side_by_side.py``).
+   ``recompute``: GPT-1.3B eager, tokens/s and peak memory with no recomputation, full,
+   selective, and full recomputation of half the layers (``--recompute-method block``).
 3. ``optimizers``: one ``optimizer.step()`` over GPT-350M's parameters: fused AdamW vs LAMB.
 4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
 5. ``onnxruntime``: a training step with ONNX Runtime (CUDA execution provider where the
@@ -89,6 +91,66 @@ def throughput_section(dry: bool) -> dict[str, Any]:
     return side_by_side.run_table(side_by_side.dry_run_sizes(args))
 
 
+# ---- 2b. recomputation modes ------------------------------------------------------------
+RECOMPUTE = {
+    "none": {},
+    "full": {"recompute_granularity": "full"},
+    "selective": {"recompute_granularity": "selective"},
+    "full, block half": {"recompute_granularity": "full", "recompute_method": "block"},
+}
+
+
+def recompute_section(dry: bool) -> dict[str, Any]:
+    """GPT-1.3B (tiny in a dry run), bf16, eager: tokens/s and peak memory per recompute mode,
+    each against none."""
+    import side_by_side
+
+    from rapidformer import RapidformerConfig, RapidformerEngine
+    from rapidformer.state import StepFunctions
+
+    row = side_by_side.TINY[0] if dry else side_by_side.MODELS[1]
+    seq, vocab, steps = (32, 512, 2) if dry else (side_by_side.SEQ, side_by_side.VOCAB, 10)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, options in RECOMPUTE.items():
+        if "recompute_method" in options:
+            options = {**options, "recompute_num_layers": max(1, row.layers // 2)}
+        config = RapidformerConfig.from_dict(
+            {"lr": 1e-4, "precision": "bf16", "seq_length": seq, "micro_batch_size": row.batch,
+             "log_interval": 10**9, **options}
+        )  # fmt: skip
+        engine = RapidformerEngine(config, builds_optimizer=True)
+        _reset_memory(engine.device)
+        state = engine.compose(row.build(seq, vocab))
+        ids = torch.randint(
+            0, vocab, (row.batch, seq + 1), generator=torch.Generator().manual_seed(0)
+        )
+        ids = ids.to(engine.device)
+        functions = StepFunctions(
+            train_step=lambda b, m=state.model: side_by_side.next_token_loss(
+                side_by_side.logits_of(m, b[:, :-1]), b
+            ),
+            weight=lambda b: b.shape[0],
+        )
+        for _ in range(2):
+            engine.run_step([ids], functions)
+        _sync(engine.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            loss = engine.run_step([ids], functions).loss_tensor
+        _sync(engine.device)
+        elapsed = time.perf_counter() - started
+        rows[name] = {
+            "tokens_per_s": row.batch * seq * steps / elapsed,
+            "peak_memory_mb": _peak_mb(engine.device),
+            "loss": float(loss),
+        }
+        engine.close()
+    for values in rows.values():
+        values["speed_vs_none"] = values["tokens_per_s"] / rows["none"]["tokens_per_s"]
+        values["memory_vs_none"] = values["peak_memory_mb"] / rows["none"]["peak_memory_mb"]
+    return {"model": row.name, "rows": rows}
+
+
 # ---- 3. optimizers -----------------------------------------------------------------------
 def optimizer_section(dry: bool) -> dict[str, Any]:
     from rapidformer.accel.lamb import Lamb
@@ -166,6 +228,7 @@ def onnxruntime_section(dry: bool) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "precision": precision_section,
     "throughput": throughput_section,
+    "recompute": recompute_section,
     "optimizers": optimizer_section,
     "dynamic_shape": dynamic_section,
     "onnxruntime": onnxruntime_section,

@@ -1,4 +1,4 @@
-"""Activation checkpointing: recompute each transformer block in the backward pass.
+"""Activation checkpointing: recompute transformer blocks in the backward pass.
 
 A block's forward normally keeps its intermediate activations (attention scores, the FFN's
 hidden layer) until backward needs them. Checkpointing keeps only the block's inputs and
@@ -8,19 +8,17 @@ for activation memory that no longer grows with the work inside each block.
 We use non-reentrant ``torch.utils.checkpoint``: it composes with DDP and autocast, works when
 block inputs do not require grad, and keeps RNG state so dropout masks match on recompute.
 Hugging Face models get their own ``activation_checkpointing_enable`` (called
-``gradient_checkpointing_enable`` before transformers 5; same mechanism). We patch
-each block's ``forward`` instead of wrapping the module, so state_dict keys do not change.
+``gradient_checkpointing_enable`` before transformers 5; same mechanism) when every layer
+recomputes whole. Otherwise we patch each chosen block's ``forward`` instead of wrapping the
+module, so state_dict keys do not change; selective recomputation and the choice of layers
+are in :mod:`rapidformer.accel.recompute`.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from rapidformer.accel.recompute import apply_to_layers
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
@@ -45,22 +43,20 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
 def apply_activation_checkpointing(
     state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
 ) -> TrainState:
-    if not config.memory.checkpoint_activations:
+    """Recompute activations as --checkpoint-activations / --recompute-* say
+    (:mod:`rapidformer.accel.recompute`)."""
+    memory = config.memory
+    granularity = memory.recompute
+    if granularity is None:
         return state
     model = state.model
-    if getattr(model, "supports_gradient_checkpointing", False):
-        # transformers >= 5 renamed the method; older releases only have the first name.
+    whole = granularity == "full" and memory.recompute_method is None
+    if whole and getattr(model, "supports_gradient_checkpointing", False):
+        # Every layer whole: the model's own switch (transformers >= 5 renamed the method;
+        # older releases only have the second name).
         if hasattr(model, "activation_checkpointing_enable"):
             method = "activation_checkpointing_enable"
             model.activation_checkpointing_enable(  # type: ignore[operator]
@@ -75,22 +71,30 @@ def apply_activation_checkpointing(
             PlanStep("activation checkpointing", "transformers", f"{method}, non-reentrant")
         )
         return state
-    blocks = [block for part in state.model_parts for block in find_blocks(part)]
-    if not blocks:
+    parts = [find_blocks(part) for part in state.model_parts]
+    if not any(parts):
+        flag = "--recompute-granularity" if memory.recompute_granularity else (
+            "--checkpoint-activations"
+        )
         raise ConfigError.single(
-            "--checkpoint-activations",
-            True,
-            f"found no transformer blocks in {type(model).__name__} to checkpoint",
+            flag,
+            memory.recompute_granularity or True,
+            f"found no transformer blocks in {type(model).__name__} to recompute",
             "keep the blocks in an nn.ModuleList or nn.ModuleDict (e.g. model.blocks), or drop "
             "the flag",
         )
-    for block in blocks:
-        block.forward = _checkpointed(block.forward)
+    done = [apply_to_layers(layers, config) for layers in parts if layers]
+    kind = next(type(layers[0]).__name__ for layers in parts if layers)
+    policy = (
+        "saves matmul and attention outputs, recomputes pointwise ops and norms"
+        if granularity == "selective"
+        else "each recomputed layer keeps only its input"
+    )
     state.plan.append(
         PlanStep(
             "activation checkpointing",
             "torch.utils.checkpoint",
-            f"non-reentrant, {len(blocks)} x {type(blocks[0]).__name__}",
+            f"{granularity} recompute, non-reentrant ({policy}): {'; '.join(done)} x {kind}",
         )
     )
     return state

@@ -284,8 +284,12 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         )
     exclusive = {
         "--cpu-offload": (memory.cpu_offload, "ORT keeps the parameters in its own memory"),
-        "--checkpoint-activations": (
-            memory.checkpoint_activations,
+        (
+            "--recompute-granularity"
+            if memory.recompute_granularity
+            else "--checkpoint-activations"
+        ): (
+            memory.recompute is not None,
             "ORT's gradient graph decides what to keep; torch's checkpoint is not exported",
         ),
         "--torch-compile": (

@@ -34,6 +34,8 @@ OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CompileScope = Literal["blocks", "model"]
 ZeroBackend = Literal["native", "deepspeed"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
 TokenDropPolicy = Literal["probs", "position"]
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "expert_bias", "none"]
@@ -201,7 +203,26 @@ class MemoryConfig:
     deepspeed, ZeRO-Offload of the optimizer state (and of the parameters at stage 3)."""
     checkpoint_activations: bool = False
     """Recompute each transformer block's activations in the backward pass instead of
-    storing them."""
+    storing them (the same as --recompute-granularity full)."""
+    recompute_granularity: RecomputeGranularity | None = None
+    """Recompute activations in the backward pass (Megatron's flag): full (a layer's whole
+    forward again, keeping only its input) or selective (an op-level policy: matrix
+    multiplications and attention keep their outputs, pointwise ops and norms are recomputed)."""
+    recompute_method: RecomputeMethod | None = None
+    """Which layers recompute (needs --recompute-granularity and --recompute-num-layers):
+    uniform (every layer, in chunks of --recompute-num-layers consecutive layers of which only
+    the chunk's input is kept; full granularity only) or block (only the first
+    --recompute-num-layers layers of each model part; the others keep everything)."""
+    recompute_num_layers: int | None = None
+    """Layers per chunk (--recompute-method uniform) or layers that recompute (block)."""
+
+    @property
+    def recompute(self) -> RecomputeGranularity | None:
+        """The recomputation in force: --recompute-granularity, or full under
+        --checkpoint-activations, or None."""
+        if self.recompute_granularity is not None:
+            return self.recompute_granularity
+        return "full" if self.checkpoint_activations else None
 
     @property
     def sharding_flags(self) -> tuple[str, ...]:

@@ -13,7 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rapidformer.accel import compile as compile_rules
-from rapidformer.accel import deepspeed, moe_rules, onnxruntime, pipeline, sharding, tensor_parallel
+from rapidformer.accel import (
+    deepspeed,
+    moe_rules,
+    onnxruntime,
+    pipeline,
+    recompute,
+    sharding,
+    tensor_parallel,
+)
 from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
@@ -96,6 +104,7 @@ COMMON_RULES: tuple[Rule, ...] = (
     tensor_parallel.rules,
     sharding.rules,
     compile_rules.rules,
+    recompute.rules,
     onnxruntime.rules,
 )
 """Each acceleration's own rules (written next to its code), checked with the general ones."""

@@ -30,7 +30,10 @@ def model_mfu_meter(
     seq = config.model.seq_length or _first_int(
         shape_config, "max_position_embeddings", "n_positions"
     )
-    checkpointing = config.memory.checkpoint_activations
+    memory = config.memory
+    # The hardware runs every layer's forward twice under full recomputation of all layers;
+    # selective (pointwise ops only) and block (some layers) are not counted.
+    checkpointing = memory.recompute == "full" and memory.recompute_method != "block"
     return mfu_meter(model, seq, checkpointing, peak.tflops, world_size)
 
 
