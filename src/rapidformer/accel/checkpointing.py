@@ -73,8 +73,10 @@ def apply_activation_checkpointing(
         return state
     parts = [find_blocks(part) for part in state.model_parts]
     if not any(parts):
-        flag = "--recompute-granularity" if memory.recompute_granularity else (
-            "--checkpoint-activations"
+        flag = (
+            "--recompute-granularity"
+            if memory.recompute_granularity
+            else ("--checkpoint-activations")
         )
         raise ConfigError.single(
             flag,

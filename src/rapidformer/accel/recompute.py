@@ -123,9 +123,9 @@ def recompute_chunk(layers: list[nn.Module]) -> None:
     def run(hidden: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(chain, hidden, *args, **options, **kwargs)
 
-    layers[0].forward = run  # type: ignore[method-assign]
+    layers[0].forward = run
     for layer in layers[1:]:
-        layer.forward = _pass_through  # type: ignore[method-assign]
+        layer.forward = _pass_through
 
 
 def apply_to_layers(layers: list[nn.Module], config: RapidformerConfig) -> str:
@@ -148,7 +148,7 @@ def apply_to_layers(layers: list[nn.Module], config: RapidformerConfig) -> str:
         return f"{len(layers)} layers in chunks of {count}"
     chosen = layers[:count] if method == "block" else layers
     for layer in chosen:
-        layer.forward = recomputing(layer.forward, granularity)  # type: ignore[method-assign]
+        layer.forward = recomputing(layer.forward, granularity)
     return f"{len(chosen)} of {len(layers)} layers"
 
 
