@@ -65,6 +65,9 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
             # equal tiny shapes are cached), and none fell back to eager
             assert row["compile_graphs"] >= 0 and row["compile_fallbacks"] == 0, (name, row)
         assert any("on the device, no host sync" in step for step in row["plan"]), name
+    optimizers = sections["optimizers"]["data"]["rows"]
+    assert "rapidformer LAMB (torch.compile)" in optimizers
+    assert optimizers["AdamW(fused=True)"]["vs_fused_adamw"] == 1.0
     recompute = sections["recompute"]["data"]["rows"]
     assert list(recompute) == ["none", "full", "selective", "full, block half"]
     # Recomputation does not change the numbers (the same steps from the same start).

@@ -237,3 +237,43 @@ def test_lamb_state_resumes_exactly(tmp_path: Path) -> None:
     tiny_trainer(*flags, "--save", str(second), "--load", str(first / "iter_0000005")).fit()
     assert sorted(read_losses(second)) == [6, 7, 8, 9, 10]
     assert all(read_losses(second)[s] == read_losses(first)[s] for s in range(6, 11))
+
+
+def test_compiled_lamb_equals_the_multi_tensor_lamb() -> None:
+    """torch.compile of the same update (what runs on CUDA): within 1e-6 over steps with a
+    changing float LR, a device-tensor LR and a skipped step; once those cases have compiled,
+    later steps compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    def build(compiled: bool) -> tuple[nn.Module, Lamb]:
+        torch.manual_seed(0)
+        model = TinyTransformerLM(hidden=32, layers=2, heads=4, max_positions=32)
+        return model, Lamb(parameter_groups(model, 0.01), lr=1e-2, compiled=compiled)
+
+    torch._dynamo.reset()
+    counters.clear()
+    (plain_model, plain), (fast_model, fast) = build(False), build(True)
+    generator = torch.Generator().manual_seed(3)
+    graphs_before_last_steps = 0
+    for step in range(8):
+        if step == 6:
+            graphs_before_last_steps = counters["stats"]["unique_graphs"]
+        grads = [torch.randn(p.shape, generator=generator) for p in plain_model.parameters()]
+        for model, optimizer in ((plain_model, plain), (fast_model, fast)):
+            for param, grad in zip(model.parameters(), grads, strict=True):
+                param.grad = grad.clone()
+            for group in optimizer.param_groups:
+                # floats, then device tensors (rapidformer's schedule), as a run would
+                group["lr"] = 1e-2 / (step + 1) if step < 3 else torch.tensor(1e-3)
+            if step == 4:
+                optimizer.found_inf = torch.ones(())  # type: ignore[attr-defined]
+            optimizer.step()
+            if step == 4:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+    gap = max(
+        (a - b).abs().max().item()
+        for a, b in zip(plain_model.parameters(), fast_model.parameters(), strict=True)
+    )
+    assert gap <= 1e-6, gap
+    assert counters["stats"]["unique_graphs"] == graphs_before_last_steps > 0, counters["stats"]
+    torch._dynamo.reset()
