@@ -276,6 +276,14 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "ONNX Runtime runs the forward and backward itself; DeepSpeed cannot own them too",
             "drop --onnx-runtime-training or --zero-backend deepspeed",
         )
+    if config.memory.fused_lm_loss:
+        yield Violation(
+            "--fused-lm-loss",
+            True,
+            "DeepSpeed ZeRO gathers a layer's weights only around that layer's own forward, "
+            "and the fused loss reads the head's weight from the model's",
+            "use --zero-backend native, or drop the flag",
+        )
     if config.graph.torch_compile:
         yield Violation(
             "--torch-compile",

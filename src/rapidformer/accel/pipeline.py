@@ -366,6 +366,13 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
                     "add --pipeline-model-parallel-size 2 (or more), or drop the flag",
                 )
         return
+    if config.memory.fused_lm_loss:
+        yield Violation(
+            "--pipeline-model-parallel-size",
+            dims.pp,
+            "must be 1 with --fused-lm-loss: the last stage hands logits to the schedule's loss",
+            "drop --fused-lm-loss",
+        )
     micro, global_ = config.data.micro_batch_size, config.data.global_batch_size
     if dims.world_size % (dims.tp * dims.pp):
         return

@@ -215,6 +215,10 @@ class MemoryConfig:
     --recompute-num-layers layers of each model part; the others keep everything)."""
     recompute_num_layers: int | None = None
     """Layers per chunk (--recompute-method uniform) or layers that recompute (block)."""
+    fused_lm_loss: bool = False
+    """Compute the LM head and its cross-entropy in chunks of tokens inside the model's forward,
+    recomputing each chunk's logits in backward, so that all logits never exist at once
+    (built-in GPT and BERT pretraining; Liger-Kernel's kernel on CUDA where installed)."""
 
     @property
     def recompute(self) -> RecomputeGranularity | None:

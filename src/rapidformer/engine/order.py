@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rapidformer.accel import compile as compile_rules
 from rapidformer.accel import (
     deepspeed,
+    lm_loss,
     moe_rules,
     onnxruntime,
     pipeline,
@@ -28,6 +29,7 @@ from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.deepspeed import apply_deepspeed, apply_deepspeed_optimizer
 from rapidformer.accel.generation_cache import apply_no_generation_cache
+from rapidformer.accel.lm_loss import apply_fused_lm_loss
 from rapidformer.accel.materialize import apply_materialize
 from rapidformer.accel.moe import apply_expert_parallel, apply_moe
 from rapidformer.accel.onnxruntime import apply_onnxruntime
@@ -58,6 +60,9 @@ NATIVE_ORDER: tuple[Apply, ...] = (
     apply_expert_parallel,
     # Checkpointing patches the blocks, before anything wraps them.
     apply_activation_checkpointing,
+    # The fused LM loss is a switch on the model's forward (its head and loss in chunks),
+    # set before compile traces that forward.
+    apply_fused_lm_loss,
     # Compile traces the checkpointed blocks (checkpoint becomes a recompute region in the
     # graph); DDP / FSDP then wrap the compiled blocks, whose parameters are unchanged.
     apply_compile,
@@ -105,6 +110,7 @@ COMMON_RULES: tuple[Rule, ...] = (
     sharding.rules,
     compile_rules.rules,
     recompute.rules,
+    lm_loss.rules,
     onnxruntime.rules,
 )
 """Each acceleration's own rules (written next to its code), checked with the general ones."""

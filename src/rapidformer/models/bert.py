@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rapidformer.models.fused_loss import fused_linear_cross_entropy
 from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape
 from rapidformer.models.moe import MoESpec, install_moe
 from rapidformer.models.stages import StagedModel
@@ -136,13 +137,19 @@ class BertModel(StagedModel):
             "lm_head": "vocab_logits",
         }
 
+    fused_lm_loss = False
+    """Set by ``--fused-lm-loss``: see :meth:`forward`."""
+
     def forward(
         self,
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        mlm_labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """``(mlm_logits [B, T, vocab], sop_logits [B, 2])`` for ``input_ids`` ``[B, T]``.
+        """``(mlm_logits [B, T, vocab], sop_logits [B, 2])`` for ``input_ids`` ``[B, T]`` (under
+        ``fused_lm_loss`` in training with ``mlm_labels``: the 0-dim mean MLM loss, computed
+        chunk by chunk, in place of the logits).
 
         ``token_type_ids`` default to 0 (segment A). ``attention_mask`` ``[B, T]`` is 1 for real
         tokens and 0 for padding (anywhere in the sequence); no token attends to padding. Every
@@ -170,6 +177,10 @@ class BertModel(StagedModel):
         assert self.sop_head is not None
         pooled = torch.tanh(self.pooler(x[:, 0]))
         hidden = self.mlm_norm(self.mlm_activation(self.mlm_transform(x)))
+        if self.fused_lm_loss and self.training and mlm_labels is not None:
+            head = self.lm_head
+            mlm = fused_linear_cross_entropy(hidden, head.weight, head.bias, mlm_labels)
+            return mlm, self.sop_head(pooled)
         return self.lm_head(hidden), self.sop_head(pooled)
 
     def _embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rapidformer.models.fused_loss import fused_linear_cross_entropy
 from rapidformer.models.layers import (
     TPStyle,
     TransformerBlock,
@@ -136,10 +137,18 @@ class GPTModel(StagedModel):
             "lm_head": "vocab_logits",
         }
 
+    fused_lm_loss = False
+    """Set by ``--fused-lm-loss``: in training, with ``labels``, forward returns the mean
+    next-token loss computed chunk by chunk (:mod:`rapidformer.accel.lm_loss`), not logits."""
+
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]``.
+        """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` (or, under ``fused_lm_loss``
+        in training with ``labels`` ``[B, T]``, the 0-dim mean cross-entropy).
 
         A pipeline stage without the embeddings takes the previous stage's hidden states
         ``[B, T, hidden]`` as ``input_ids``; one without the head returns hidden states.
@@ -164,4 +173,8 @@ class GPTModel(StagedModel):
         if self.lm_head is None:
             return x
         assert self.final_norm is not None
-        return self.lm_head(self.final_norm(x))
+        x = self.final_norm(x)
+        if self.fused_lm_loss and self.training and labels is not None:
+            head = self.lm_head
+            return fused_linear_cross_entropy(x, head.weight, head.bias, labels)
+        return self.lm_head(x)

@@ -101,6 +101,16 @@ class Finetuner(Trainer):
             if path is not None and task is not None and canonical_task(task) in TASKS:
                 unsupported = task_violation(path, task)
                 violations += [unsupported] if unsupported else []
+        if cls.build_model is Finetuner.build_model and config.memory.fused_lm_loss:
+            violations.append(
+                Violation(
+                    "--fused-lm-loss",
+                    True,
+                    "is not yet available for Hugging Face models in the Finetuner (the "
+                    "built-in GPT and BERT pretraining have it)",
+                    "drop --fused-lm-loss",
+                )
+            )
         if cls.build_data is Finetuner.build_data and config.data.data_dir is None:
             violations.append(
                 Violation(

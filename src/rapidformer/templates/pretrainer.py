@@ -150,6 +150,8 @@ class Pretrainer(Trainer):
         )
 
     def model_inputs(self, batch: Any) -> ModelInputs:
+        if self.config.memory.fused_lm_loss:  # the model computes its loss from the labels
+            return self.pretrain_family.loss_inputs(batch)
         return self.pretrain_family.inputs(batch)
 
     def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:

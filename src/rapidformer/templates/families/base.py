@@ -117,6 +117,11 @@ class PretrainFamily(ABC):
     def inputs(self, batch: Any) -> ModelInputs:
         """The model's inputs from a batch (the first pipeline stage's)."""
 
+    def loss_inputs(self, batch: Any) -> ModelInputs:
+        """The inputs plus the labels, for a model that computes its own LM loss in its
+        forward (``--fused-lm-loss``); :meth:`loss` then receives that loss in the outputs."""
+        raise NotImplementedError(f"the {self.name} family has no fused LM loss")
+
     @abstractmethod
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         """The batch's mean loss from the model's outputs (the last pipeline stage's)."""

@@ -55,13 +55,19 @@ class BertFamily(PretrainFamily):
     def inputs(self, batch: Any) -> ModelInputs:
         return (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
 
+    def loss_inputs(self, batch: Any) -> ModelInputs:
+        return (*self.inputs(batch), batch["mlm_labels"])
+
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         mlm_logits, sop_logits = outputs
-        mlm_loss = F.cross_entropy(
-            mlm_logits.float().flatten(0, 1),
-            batch["mlm_labels"].flatten(),
-            ignore_index=IGNORE_INDEX,
-        )
+        if mlm_logits.ndim == 0:  # --fused-lm-loss: the model computed the MLM loss
+            mlm_loss = mlm_logits
+        else:
+            mlm_loss = F.cross_entropy(
+                mlm_logits.float().flatten(0, 1),
+                batch["mlm_labels"].flatten(),
+                ignore_index=IGNORE_INDEX,
+            )
         # Under tensor parallelism the MLM loss is a replicated DTensor (vocab-parallel).
         return local_loss(mlm_loss) + F.cross_entropy(sop_logits.float(), batch["sop_label"])
 

@@ -55,7 +55,12 @@ class GPTFamily(PretrainFamily):
     def inputs(self, batch: Any) -> ModelInputs:
         return (batch["input_ids"],)
 
+    def loss_inputs(self, batch: Any) -> ModelInputs:
+        return (batch["input_ids"], None, batch["labels"])
+
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        if outputs.ndim == 0:  # --fused-lm-loss: the model computed it from its labels
+            return outputs
         return F.cross_entropy(outputs.float().flatten(0, 1), batch["labels"].flatten())
 
     def weight(self, batch: Any) -> int | torch.Tensor:

@@ -1,0 +1,70 @@
+"""``--fused-lm-loss``: the switch on the model's forward, and where it cannot run.
+
+The loss itself is :func:`rapidformer.models.fused_loss.fused_linear_cross_entropy`; the
+built-in GPT and BERT call it inside their forward when this switch is on and the templates
+pass the labels (so every sharding engine has the head's parameters gathered there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.config.validate import RunContext
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import ConfigError, Violation
+from rapidformer.models.fused_loss import chunk_tokens, liger_available
+from rapidformer.state import PlanStep, TrainState
+
+
+def apply_fused_lm_loss(
+    state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
+) -> TrainState:
+    """Tell the model to compute its head and loss inside its forward (the built-in GPT and
+    BERT take the labels then); refuse a model that cannot."""
+    if not config.memory.fused_lm_loss:
+        return state
+    parts = [part for part in state.model_parts if hasattr(part, "fused_lm_loss")]
+    if not parts:
+        raise ConfigError.single(
+            "--fused-lm-loss",
+            True,
+            f"{type(state.unwrapped_model).__name__} does not compute its LM loss in its "
+            "forward (the built-in GPT and BERT do, and the Finetuner's causal-LM task for "
+            "Hugging Face models)",
+            "drop --fused-lm-loss",
+        )
+    for part in parts:
+        part.fused_lm_loss = True  # type: ignore[assignment]
+    engine = "Liger-Kernel (Triton)" if liger_available(state.device) else "torch, chunked"
+    vocab = getattr(getattr(state.unwrapped_model, "config", None), "vocab_size", None)
+    detail = "head and cross-entropy in chunks of tokens, logits recomputed in backward"
+    if vocab and engine.startswith("torch"):
+        detail += f" ({chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab})"
+    state.plan.append(PlanStep("fused LM loss", engine, detail))
+    return state
+
+
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """Where the chunked loss cannot run."""
+    if not config.memory.fused_lm_loss:
+        return
+    flag, dims = "--fused-lm-loss", context.dims
+    if not context.runs_loop:
+        yield Violation(
+            flag,
+            True,
+            "the templates pass the labels to the model; a hand-written loop would still "
+            "compute the loss from full logits",
+            "call rapidformer.models.fused_loss.fused_linear_cross_entropy in your loss, or "
+            "subclass Pretrainer / Finetuner",
+        )
+    if dims.tp > 1:
+        yield Violation(
+            "--tensor-model-parallel-size",
+            dims.tp,
+            f"must be 1 with {flag}: the vocabulary-parallel head's loss runs through torch's "
+            "loss_parallel over sharded logits, which already never gathers them",
+            f"drop {flag} (tensor parallelism bounds the logits per rank)",
+        )
+    # Pipelines and DeepSpeed refuse it in their own rules (accel/pipeline.py, deepspeed.py).

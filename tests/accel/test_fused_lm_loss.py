@@ -1,0 +1,174 @@
+"""--fused-lm-loss: the head and cross-entropy in chunks equal the plain loss within 1e-5
+(loss and every gradient), the built-in GPT and BERT pretrain on the same loss curve, and the
+switch is refused where it cannot run."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rapidformer import RapidformerConfig, RapidformerEngine, parse_args
+from rapidformer.errors import ConfigError
+from rapidformer.models import bert as bert_module
+from rapidformer.models import fused_loss
+from rapidformer.models import gpt as gpt_module
+from rapidformer.models.fused_loss import fused_linear_cross_entropy
+from rapidformer.templates.pretrainer import Pretrainer
+from rapidformer.testing import TinyTransformerLM
+from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
+from tests.conftest import read_losses
+
+PARITY = 1e-5
+
+
+def _inputs(bias: bool) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    b = torch.randn(50, generator=generator, requires_grad=True) if bias else None
+    targets = torch.randint(0, 50, (37,), generator=generator)
+    targets[::5] = -100  # ignored positions (padding, unmasked tokens)
+    return hidden, weight, b, targets  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunks_equal_the_plain_loss_and_gradients(
+    bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 4 * 50 * 8)  # 8 tokens a chunk: 5 chunks
+    hidden, weight, b, targets = _inputs(bias)
+    plain = F.cross_entropy(F.linear(hidden, weight, b), targets, ignore_index=-100)
+    plain.backward()
+    expected = [t.grad.clone() for t in (hidden, weight, b) if t is not None]
+    for t in (hidden, weight, b):
+        if t is not None:
+            t.grad = None
+    fused = fused_linear_cross_entropy(hidden, weight, b, targets)
+    fused.backward()
+    assert abs(fused.item() - plain.item()) <= PARITY
+    got = [t.grad for t in (hidden, weight, b) if t is not None]
+    for a, e in zip(got, expected, strict=True):
+        assert (a - e).abs().max().item() <= PARITY
+
+
+def test_under_bf16_autocast_it_matches_the_plain_head_under_autocast() -> None:
+    hidden, weight, _, targets = _inputs(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=-100)
+        fused = fused_linear_cross_entropy(hidden, weight, None, targets)
+    plain.backward()
+    expected = hidden.grad.clone()
+    hidden.grad = None
+    fused.backward()
+    assert abs(fused.item() - plain.item()) <= 1e-2 * abs(plain.item())
+    assert (hidden.grad - expected).abs().max().item() <= 1e-2
+
+
+def test_liger_is_called_with_its_argument_order_where_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA with liger-kernel installed: LigerFusedLinearCrossEntropyLoss()(weight, hidden,
+    targets, bias). Checked here with a stand-in module (no CUDA, no Liger on this machine)."""
+    calls: list[tuple[Any, ...]] = []
+
+    class Loss:
+        def __init__(self, ignore_index: int) -> None:
+            assert ignore_index == -100
+
+        def __call__(self, *args: Any) -> torch.Tensor:
+            calls.append(args)
+            return torch.tensor(1.0)
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.LigerFusedLinearCrossEntropyLoss = Loss  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    monkeypatch.setattr(fused_loss, "liger_available", lambda device: True)
+    hidden, weight, b, targets = _inputs(True)
+    assert fused_linear_cross_entropy(hidden, weight, b, targets).item() == 1.0
+    ((w, h, t, bias),) = calls
+    assert w is weight and h.shape == (37, 16) and t.shape == (37,) and bias is b
+    assert not fused_loss.liger_available(torch.device("cpu")) or True
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PretrainingData]:
+    documents = synthetic_documents(200, seed=0)
+    return {
+        kind: build_pretraining_data(tmp_path_factory.mktemp(kind), kind, documents)
+        for kind in ("GPT2BPETokenizer", "BertWordPieceLowerCase")
+    }
+
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+MODEL += ["--seq-length", "64", "--lr", "2e-3", "--log-interval", "1", "--train-iters", "6"]
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "BertWordPieceLowerCase"])
+def test_pretraining_keeps_its_loss_curve(
+    kind: str, corpora: dict[str, PretrainingData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    module = gpt_module if kind == "GPT2BPETokenizer" else bert_module
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return fused_linear_cross_entropy(*args)
+
+    monkeypatch.setattr(module, "fused_linear_cross_entropy", counted)
+    curves = {}
+    for fused in (False, True):
+        save = tmp_path / ("fused" if fused else "plain")
+        flags = [*corpora[kind].flags(), *MODEL, "--save", str(save)]
+        trainer = Pretrainer(parse_args([*flags, *(["--fused-lm-loss"] if fused else [])]))
+        trainer.fit()
+        plan = [str(p) for p in trainer.engine.state.plan]  # type: ignore[union-attr]
+        assert any(p.startswith("fused LM loss: torch, chunked") for p in plan) == fused, plan
+        trainer.engine.close()
+        curves[fused] = read_losses(save)
+    assert len(calls) == 6  # the fused run's six training steps, one micro-batch each
+    assert set(curves[True]) == set(range(1, 7))
+    assert max(abs(curves[True][s] - curves[False][s]) for s in curves[False]) <= PARITY
+
+
+@pytest.mark.parametrize(
+    ("options", "flag"),
+    [
+        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size"),
+        ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size"),
+        ({"zero_backend": "deepspeed", "zero_2_memory_optimization": True}, "--fused-lm-loss"),
+    ],
+)
+def test_layouts_it_cannot_serve_are_refused_before_anything_is_built(
+    options: dict[str, Any], flag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # checked before any process group exists
+    config = RapidformerConfig.from_dict({"fused_lm_loss": True, **options})
+    with pytest.raises(ConfigError, match=flag):
+        RapidformerEngine(config, runs_loop=True)
+
+
+def test_a_hand_written_loop_and_a_model_without_it_are_refused() -> None:
+    config = RapidformerConfig.from_dict({"fused_lm_loss": True})
+    with pytest.raises(ConfigError, match="hand-written loop"):
+        RapidformerEngine(config)
+    engine = RapidformerEngine(
+        RapidformerConfig.from_dict({"fused_lm_loss": True, "train_iters": 1}), runs_loop=True
+    )
+    with pytest.raises(ConfigError, match="TinyTransformerLM does not compute its LM loss"):
+        engine.compose(TinyTransformerLM(), optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1))
+
+
+def test_the_finetuner_refuses_it_before_anything_is_built() -> None:
+    from rapidformer import Finetuner
+
+    config = RapidformerConfig.from_dict(
+        {"fused_lm_loss": True, "task": "causal_lm", "pretrained_model_name_or_path": "m"}
+    )
+    violations = Finetuner.config_violations(config)
+    assert any(v.flag == "--fused-lm-loss" for v in violations), violations
