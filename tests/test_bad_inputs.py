@@ -424,6 +424,11 @@ CASES = [
         ),
         ("train_step", "gradient"),
     ),
+    Case(
+        "fp8-without-a-float8-gpu",
+        lambda i: [*WHITE_BOX, "--precision", "fp8"],
+        ("--precision", "fp8", "compute capability 8.9", "--precision bf16"),
+    ),
     # ---- checkpoints --------------------------------------------------------------------
     Case(
         "checkpoint-other-shape",

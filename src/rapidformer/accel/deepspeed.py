@@ -276,6 +276,13 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "ONNX Runtime runs the forward and backward itself; DeepSpeed cannot own them too",
             "drop --onnx-runtime-training or --zero-backend deepspeed",
         )
+    if config.precision.resolved == "fp8":
+        yield Violation(
+            "--precision",
+            "fp8",
+            "DeepSpeed's engine casts the model itself and has no float8 path here",
+            "use --zero-backend native (FSDP2), or --precision bf16",
+        )
     if config.memory.fused_lm_loss:
         yield Violation(
             "--fused-lm-loss",

@@ -38,7 +38,7 @@ def _autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -
 
 
 def apply_precision(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
-    precision = config.precision.resolved
+    precision = config.precision.autocast  # fp8: bf16 autocast around float8 linears
     if precision == "fp32":
         return state
     dtype = _DTYPES[precision]

@@ -99,7 +99,7 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
     if mode is None or mode[0] == "oss":
         return state
     kind, name = mode
-    precision = config.precision.resolved
+    precision = config.precision.autocast
     mixed = MixedPrecisionPolicy()
     if precision in _LOW:
         mixed = MixedPrecisionPolicy(param_dtype=_LOW[precision], reduce_dtype=torch.float32)

@@ -29,7 +29,8 @@ Task = Literal[
     "pretraining",
 ]
 DecayStyle = Literal["constant", "linear", "cosine"]
-Precision = Literal["fp32", "fp16", "bf16"]
+Precision = Literal["fp32", "fp16", "bf16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
 OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CompileScope = Literal["blocks", "model"]
@@ -142,12 +143,23 @@ class PrecisionConfig:
     mixed_precision: bool = False
     """FP16 mixed precision (autocast plus a dynamic loss scaler); same as --precision fp16."""
     precision: Precision = "fp32"
-    """Autocast precision: fp32 (off), fp16 (with a loss scaler) or bf16."""
+    """Autocast precision: fp32 (off), fp16 (with a loss scaler), bf16, or fp8 (bf16 autocast
+    plus float8 matmuls in the linear layers through torchao; GPUs of compute capability 8.9
+    or newer, with the rapidformer[gpu] extra)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """torchao's float8 scaling under --precision fp8: tensorwise (one scale per tensor, the
+    fastest) or rowwise (one per row, more accurate)."""
 
     @property
     def resolved(self) -> Precision:
         """The precision actually used: --mixed-precision means fp16."""
         return "fp16" if self.mixed_precision else self.precision
+
+    @property
+    def autocast(self) -> Precision:
+        """The autocast precision: fp8 runs the model under bf16 autocast (its float8 matmuls
+        are the converted linear layers' own)."""
+        return "bf16" if self.resolved == "fp8" else self.resolved
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rapidformer.accel import compile as compile_rules
 from rapidformer.accel import (
     deepspeed,
+    fp8,
     lm_loss,
     moe_rules,
     onnxruntime,
@@ -28,6 +29,7 @@ from rapidformer.accel.compile import apply_compile
 from rapidformer.accel.data import apply_data
 from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.deepspeed import apply_deepspeed, apply_deepspeed_optimizer
+from rapidformer.accel.fp8 import apply_fp8
 from rapidformer.accel.generation_cache import apply_no_generation_cache
 from rapidformer.accel.lm_loss import apply_fused_lm_loss
 from rapidformer.accel.materialize import apply_materialize
@@ -60,6 +62,9 @@ NATIVE_ORDER: tuple[Apply, ...] = (
     apply_expert_parallel,
     # Checkpointing patches the blocks, before anything wraps them.
     apply_activation_checkpointing,
+    # fp8 swaps the blocks' linear layers for float8 ones (the blocks themselves, and their
+    # checkpoint patches, stay); before compile, sharding and tensor parallelism see them.
+    apply_fp8,
     # The fused LM loss is a switch on the model's forward (its head and loss in chunks),
     # set before compile traces that forward.
     apply_fused_lm_loss,
@@ -111,6 +116,7 @@ COMMON_RULES: tuple[Rule, ...] = (
     compile_rules.rules,
     recompute.rules,
     lm_loss.rules,
+    fp8.rules,
     onnxruntime.rules,
 )
 """Each acceleration's own rules (written next to its code), checked with the general ones."""

@@ -18,7 +18,9 @@ from rapidformer.state import TrainState
 
 def measure_peak(device: torch.device, config: RapidformerConfig) -> Peak:
     """This device's peak for the run's precision (a CPU is probed: set-up, rank 0 only)."""
-    return device_peak(device, config.precision.resolved, config.logging.peak_tflops)
+    # fp8 keeps the bf16 peak as MFU's denominator (the float8 matmuls are a speed-up, not a
+    # different model).
+    return device_peak(device, config.precision.autocast, config.logging.peak_tflops)
 
 
 def model_mfu_meter(
