@@ -11,7 +11,8 @@ block is ``--steps`` steps between two device synchronisations, and the losses a
 after the block (``loss_tensor``), as a loop that logs at intervals would.
 
 Rows: the built-in GPT-350M and GPT-1.3B, and a Hugging Face ``LlamaForCausalLM`` of 1.2B
-(24 x 2048, random weights: no download), each eager, compiled per block and compiled whole.
+(24 x 2048, random weights: no download), each eager, compiled per block and compiled whole;
+the Llama also eager with ``--liger-kernel`` (skipped, with the reason, without Liger or CUDA).
 Reported per row: tokens/s of each side per repeat, the engine / hand ratio per repeat with its
 median and spread (min, max), the engine's MFU and peak memory, the graphs compile counted and
 any eager fallback, and both sides' last loss (equal start: they should agree).
@@ -23,6 +24,7 @@ any eager fallback, and both sides' last loss (equal start: they should agree).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -95,6 +97,7 @@ MODELS = [
 TINY = [ModelRow("GPT-tiny", "gpt", 2, 64, 4, 2), ModelRow("Llama-tiny", "llama", 2, 64, 4, 2)]
 VARIANTS: dict[str, dict[str, Any]] = {
     "eager": {},
+    "eager + liger": {"liger_kernel": True},  # Hugging Face rows only
     "compile": {"torch_compile": True},
     "compile (model scope)": {"torch_compile": True, "torch_compile_scope": "model"},
 }
@@ -239,10 +242,29 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
     for model in models:
         for variant in args.variants:
-            rows[f"{model.name} {variant}"] = run_row(model, VARIANTS[variant], args)
-            print(_line(f"{model.name} {variant}", rows[f"{model.name} {variant}"]), flush=True)
+            options = VARIANTS[variant]
+            if options.get("liger_kernel") and model.kind != "llama":
+                continue  # Liger patches Hugging Face models
+            name = f"{model.name} {variant}"
+            why = _cannot_run(options)
+            if why:
+                rows[name] = {"skipped": why}
+                print(f"{name}: skipped ({why})", flush=True)
+                continue
+            rows[name] = run_row(model, options, args)
+            print(_line(name, rows[name]), flush=True)
     seq = 32 if args.dry_run else SEQ
     return {"seq": seq, "steps": args.steps, "repeats": args.repeats, "rows": rows}
+
+
+def _cannot_run(options: dict[str, Any]) -> str:
+    """Why a row cannot run on this machine (a missing optional package), or ""."""
+    if options.get("liger_kernel"):
+        if not torch.cuda.is_available():
+            return "Liger-Kernel needs CUDA"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed (bring its wheel: docs/gpu-extras.md)"
+    return ""
 
 
 def _line(name: str, row: dict[str, Any]) -> str:

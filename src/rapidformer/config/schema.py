@@ -303,6 +303,9 @@ class GraphConfig:
 
     onnx_runtime_training: bool = False
     """Run the forward and backward passes in ONNX Runtime."""
+    liger_kernel: bool = False
+    """Hugging Face models on CUDA: Liger-Kernel's Triton kernels for RMSNorm, RoPE and SwiGLU,
+    through Liger's patch for the model's family (needs the rapidformer[gpu] extra)."""
     torch_compile: bool = False
     """Compile each transformer block with torch.compile (after activation checkpointing,
     before data parallelism and sharding); with --data-iterator dynamic-shape one graph per

@@ -16,6 +16,7 @@ from rapidformer.accel import compile as compile_rules
 from rapidformer.accel import (
     deepspeed,
     fp8,
+    liger,
     lm_loss,
     moe_rules,
     onnxruntime,
@@ -31,6 +32,7 @@ from rapidformer.accel.data_parallel import apply_data_parallel
 from rapidformer.accel.deepspeed import apply_deepspeed, apply_deepspeed_optimizer
 from rapidformer.accel.fp8 import apply_fp8
 from rapidformer.accel.generation_cache import apply_no_generation_cache
+from rapidformer.accel.liger import apply_liger_kernel
 from rapidformer.accel.lm_loss import apply_fused_lm_loss
 from rapidformer.accel.materialize import apply_materialize
 from rapidformer.accel.moe import apply_expert_parallel, apply_moe
@@ -51,6 +53,9 @@ NATIVE_ORDER: tuple[Apply, ...] = (
     # A Hugging Face model's generation cache goes off first: in training it only costs, and
     # under compile it makes every layer a new guard.
     apply_no_generation_cache,
+    # Liger swaps a Hugging Face model's norms, rotary embeddings and MLPs for Triton kernels
+    # while the model is plain, before checkpointing and compile see its layers.
+    apply_liger_kernel,
     # MoE layers replace FFNs while the model is whole and on the meta device: the stages,
     # tensor parallelism and sharding then treat MoE blocks like any other.
     apply_moe,
@@ -99,6 +104,7 @@ DEEPSPEED_ORDER: tuple[Apply, ...] = (
     # for them are not here; its rules refuse MoE, pipeline, tensor parallelism, compile and
     # ONNX Runtime. Checkpointing patches the blocks before DeepSpeed wraps the model.
     apply_no_generation_cache,
+    apply_liger_kernel,
     apply_activation_checkpointing,
     apply_materialize,
     # The optimizer DeepSpeed steps (built for the CPU under ZeRO-Offload).
@@ -117,6 +123,7 @@ COMMON_RULES: tuple[Rule, ...] = (
     recompute.rules,
     lm_loss.rules,
     fp8.rules,
+    liger.rules,
     onnxruntime.rules,
 )
 """Each acceleration's own rules (written next to its code), checked with the general ones."""

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from rapidformer.accel.liger import family_violation
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
@@ -49,7 +50,7 @@ from rapidformer.models.hf import (
     save_model,
 )
 from rapidformer.state import ModelInputs, call_model
-from rapidformer.templates.architectures import model_kwargs_for, task_violation
+from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, Features, Task, canonical_task, task_for
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
@@ -101,6 +102,9 @@ class Finetuner(Trainer):
             if path is not None and task is not None and canonical_task(task) in TASKS:
                 unsupported = task_violation(path, task)
                 violations += [unsupported] if unsupported else []
+        if cls.build_model is Finetuner.build_model and config.graph.liger_kernel and path:
+            unsupported_family = family_violation(model_type_of(path))
+            violations += [unsupported_family] if unsupported_family else []
         if cls.build_model is Finetuner.build_model and config.memory.fused_lm_loss:
             violations.append(
                 Violation(
