@@ -49,10 +49,13 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     throughput = sections["throughput"]["data"]
     rows = throughput["rows"]
     variants = ("eager", "compile", "compile (model scope)")
-    expected = [f"GPT-tiny {v}" for v in variants]
+    built_in = ("compile + fused loss", "headline: compile + fp8 + fused loss")
+    expected = [f"GPT-tiny {v}" for v in (*variants, *built_in)]
     expected += [f"Llama-tiny {v}" for v in ("eager", "eager + liger", *variants[1:])]
     assert list(rows) == expected
     assert "Liger-Kernel needs CUDA" in rows.pop("Llama-tiny eager + liger")["skipped"]
+    assert "compute capability 8.9" in rows.pop(f"GPT-tiny {built_in[1]}")["skipped"]
+    assert any("fused LM loss" in p for p in rows[f"GPT-tiny {built_in[0]}"]["plan"])
     assert throughput["repeats"] >= 3
     for name, row in rows.items():
         # Every row: the engine beside the hand loop, interleaved repeats, median and spread.

@@ -12,7 +12,10 @@ after the block (``loss_tensor``), as a loop that logs at intervals would.
 
 Rows: the built-in GPT-350M and GPT-1.3B, and a Hugging Face ``LlamaForCausalLM`` of 1.2B
 (24 x 2048, random weights: no download), each eager, compiled per block and compiled whole;
-the Llama also eager with ``--liger-kernel`` (skipped, with the reason, without Liger or CUDA).
+the Llama also eager with ``--liger-kernel`` (skipped, with the reason, without Liger or CUDA);
+GPT-1.3B also compiled with ``--fused-lm-loss``, and the headline row: compiled with fp8 and
+the fused loss (skipped without a float8 GPU or torchao), both beside the hand loop compiled
+whole in bf16.
 Reported per row: tokens/s of each side per repeat, the engine / hand ratio per repeat with its
 median and spread (min, max), the engine's MFU and peak memory, the graphs compile counted and
 any eager fallback, and both sides' last loss (equal start: they should agree).
@@ -100,7 +103,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "eager + liger": {"liger_kernel": True},  # Hugging Face rows only
     "compile": {"torch_compile": True},
     "compile (model scope)": {"torch_compile": True, "torch_compile_scope": "model"},
+    # Built-in GPT rows only: the fused LM loss, and the headline (the switches that fit
+    # together: compile, fp8, the fused loss), each beside the hand loop compiled whole in bf16.
+    "compile + fused loss": {"torch_compile": True, "fused_lm_loss": True},
+    "headline: compile + fp8 + fused loss": {
+        "torch_compile": True,
+        "precision": "fp8",
+        "fused_lm_loss": True,
+    },
 }
+BUILT_IN_ONLY = ("compile + fused loss", "headline: compile + fp8 + fused loss")
 
 
 def _sync(device: torch.device) -> None:
@@ -174,10 +186,11 @@ def run_row(row: ModelRow, options: dict[str, Any], args: argparse.Namespace) ->
             "micro_batch_size": row.batch,
             "global_batch_size": row.batch,
             "log_interval": 10**9,  # the benchmark reads once per block
+            "train_iters": 10**9,  # as a template's loop (--fused-lm-loss needs one)
             **options,
         }
     )
-    engine = RapidformerEngine(config, builds_optimizer=True)
+    engine = RapidformerEngine(config, builds_optimizer=True, runs_loop=True)
     device = engine.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -185,6 +198,8 @@ def run_row(row: ModelRow, options: dict[str, Any], args: argparse.Namespace) ->
     state = engine.compose(row.build(seq, vocab))
     engine_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     scope = options.get("torch_compile_scope", "blocks") if options.get("torch_compile") else None
+    if options.get("fused_lm_loss"):
+        scope = "model"  # the best hand-written baseline: the whole model and loss compiled
     hand = HandLoop(row, row.build(seq, vocab).to(device), scope)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (row.batch, seq + 1), generator=generator).to(device)
@@ -195,6 +210,11 @@ def run_row(row: ModelRow, options: dict[str, Any], args: argparse.Namespace) ->
         train_step=lambda b: loss_of(logits_of(state.model, b[:, :-1]), b),
         weight=lambda b: b.shape[0],
     )
+    if options.get("fused_lm_loss"):  # the built-in GPT computes its loss from the labels
+        functions = StepFunctions(
+            train_step=lambda b: state.model(b[:, :-1], None, b[:, 1:]),
+            weight=lambda b: b.shape[0],
+        )
 
     def engine_step(b: torch.Tensor) -> torch.Tensor:
         return engine.run_step([b], functions).loss_tensor
@@ -245,6 +265,8 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
             options = VARIANTS[variant]
             if options.get("liger_kernel") and model.kind != "llama":
                 continue  # Liger patches Hugging Face models
+            if variant in BUILT_IN_ONLY and (model.kind != "gpt" or "350M" in model.name):
+                continue  # the fused loss is the built-in GPT's; the headline is at 1.3B
             name = f"{model.name} {variant}"
             why = _cannot_run(options)
             if why:
@@ -264,6 +286,11 @@ def _cannot_run(options: dict[str, Any]) -> str:
             return "Liger-Kernel needs CUDA"
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed (bring its wheel: docs/gpu-extras.md)"
+    if options.get("precision") == "fp8":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+            return "fp8 needs a GPU of compute capability 8.9 or newer"
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (bring its wheel: docs/gpu-extras.md)"
     return ""
 
 
