@@ -84,3 +84,38 @@ def test_refused_before_anything_is_built(
         monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=match):
         RapidformerEngine(RapidformerConfig.from_dict(options))
+
+
+def test_through_the_engine_it_composes_with_recompute_and_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp8 (emulated) with selective recomputation and compile (dynamo's eager backend: the
+    graphs, not the kernels) through the engine: the plan lists the conversion, and the losses
+    stay within the emulation bound of the same run in bf16."""
+    from rapidformer.accel import compile as compile_module
+    from rapidformer.accel import fp8
+    from rapidformer.state import StepFunctions
+
+    monkeypatch.setattr(fp8, "EMULATE", True)
+    monkeypatch.setattr(compile_module, "BACKEND", "eager")
+    data = MarkovLMDataset(24, min_length=32, max_length=32, seed=2)
+    batches = [pad_collate([data[s * 4 + i] for i in range(4)]) for s in range(6)]
+    curves = {}
+    for precision in ("bf16", "fp8"):
+        torch._dynamo.reset()
+        options = {"precision": precision, "lr": 1e-3, "micro_batch_size": 4}
+        options |= {"recompute_granularity": "selective", "torch_compile": True}
+        engine = RapidformerEngine(RapidformerConfig.from_dict(options), builds_optimizer=True)
+        torch.manual_seed(0)
+        state = engine.compose(TinyTransformerLM(hidden=64, layers=2, heads=4, max_positions=64))
+        plan = [str(p) for p in state.plan]
+        assert any(p.startswith("fp8: torchao") for p in plan) == (precision == "fp8"), plan
+        functions = StepFunctions(
+            train_step=lambda b, m=state.model: lm_loss(m, b)["loss"], weight=lambda b: 4
+        )
+        curves[precision] = [engine.run_step([b], functions).loss for b in batches]
+        assert engine.step_metrics()["compile_fallbacks"] == 0
+        engine.close()
+    gap = max(abs(a - b) for a, b in zip(curves["fp8"], curves["bf16"], strict=True))
+    assert gap <= EMULATED_BOUND, curves
+    torch._dynamo.reset()

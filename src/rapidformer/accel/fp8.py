@@ -33,6 +33,9 @@ from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import Violation
 from rapidformer.state import PlanStep, TrainState
 
+EMULATE = False
+"""True: convert with torchao's ``emulate=True`` and skip the GPU checks (float8 numerics in
+plain arithmetic, on any device: for tests of how fp8 composes with the other switches)."""
 HEAD_NAMES = ("lm_head", "head", "embed_out", "output", "classifier", "score")
 """Last components of module names that are output heads (kept in bf16)."""
 FP8_CAPABILITY = (8, 9)
@@ -81,7 +84,7 @@ def apply_fp8(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) 
     converted: list[str] = []
     kept: list[str] = []
     for part in state.model_parts:
-        done, left = convert_linears(part, recipe)
+        done, left = convert_linears(part, recipe, emulate=EMULATE)
         converted += done
         kept += left
     shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
@@ -89,7 +92,8 @@ def apply_fp8(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) 
         PlanStep(
             "fp8",
             "torchao float8 training",
-            f"{recipe} scaling; {len(converted)} linear layers to Float8Linear, "
+            f"{recipe} scaling{', emulated' if EMULATE else ''}; {len(converted)} linear layers "
+            "to Float8Linear, "
             f"{len(kept)} kept in bf16 ({shown or 'none'}); bf16 autocast around them; MFU "
             "against the bf16 peak",
         )
@@ -106,7 +110,9 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             yield Violation("--fp8-recipe", precision.fp8_recipe, "needs --precision fp8", "add it")
         return
     flag = "--precision"
-    if not torch.cuda.is_available():
+    if EMULATE:
+        pass  # tests: torchao's emulation runs anywhere
+    elif not torch.cuda.is_available():
         yield Violation(
             flag,
             "fp8",
