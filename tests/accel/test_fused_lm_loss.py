@@ -164,11 +164,55 @@ def test_a_hand_written_loop_and_a_model_without_it_are_refused() -> None:
         engine.compose(TinyTransformerLM(), optimizer=torch.optim.SGD([torch.zeros(1)], lr=0.1))
 
 
-def test_the_finetuner_refuses_it_before_anything_is_built() -> None:
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_hugging_face_causal_lm_finetunes_on_the_same_loss_curve(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Finetuner's causal-LM task passes the labels; the patched forward runs the base
+    model and the chunked loss (padding ignored, labels shifted) in training, and the model's
+    own forward in evaluation."""
+    from rapidformer import Finetuner
+    from rapidformer.models import hf_fused_loss
+    from rapidformer.testing.finetune import task_dataset, tiny_model
+
+    calls = []
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return fused_linear_cross_entropy(*args)
+
+    monkeypatch.setattr(hf_fused_loss, "fused_linear_cross_entropy", counted)
+    model = tiny_model(kind, tmp_path / "model")
+    data = task_dataset("causal_lm", tmp_path / "data", train=64, validation=16)
+    curves = {}
+    for fused in (False, True):
+        save = tmp_path / ("fused" if fused else "plain")
+        flags = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(model)]
+        flags += ["--data-dir", str(data), "--seq-length", "64", "--micro-batch-size", "8"]
+        flags += ["--train-iters", "5", "--lr", "3e-3", "--log-interval", "1"]
+        flags += ["--eval-interval", "5", "--save", str(save)]
+        trainer = Finetuner(parse_args([*flags, *(["--fused-lm-loss"] if fused else [])]))
+        metrics = trainer.fit()
+        plan = [str(p) for p in trainer.engine.state.plan]  # type: ignore[union-attr]
+        assert any(p.startswith("fused LM loss: torch, chunked") for p in plan) == fused, plan
+        assert metrics["perplexity"] > 1  # evaluation ran the model's own forward
+        trainer.engine.close()
+        curves[fused] = read_losses(save)
+    assert len(calls) == 5
+    assert max(abs(curves[True][s] - curves[False][s]) for s in curves[False]) <= PARITY
+
+
+def test_the_finetuner_refuses_other_tasks_and_families_before_anything_is_built(
+    tmp_path: Path,
+) -> None:
+    import json
+
     from rapidformer import Finetuner
 
-    config = RapidformerConfig.from_dict(
-        {"fused_lm_loss": True, "task": "causal_lm", "pretrained_model_name_or_path": "m"}
-    )
-    violations = Finetuner.config_violations(config)
-    assert any(v.flag == "--fused-lm-loss" for v in violations), violations
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    for task, path in (("masked_lm", "m"), ("causal_lm", str(tmp_path))):
+        config = RapidformerConfig.from_dict(
+            {"fused_lm_loss": True, "task": task, "pretrained_model_name_or_path": path}
+        )
+        violations = Finetuner.config_violations(config)
+        assert any(v.flag == "--fused-lm-loss" for v in violations), (task, violations)

@@ -13,6 +13,7 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
+from rapidformer.models import hf_fused_loss
 from rapidformer.models.fused_loss import chunk_tokens, liger_available
 from rapidformer.state import PlanStep, TrainState
 
@@ -24,25 +25,37 @@ def apply_fused_lm_loss(
     BERT take the labels then); refuse a model that cannot."""
     if not config.memory.fused_lm_loss:
         return state
+    model = state.unwrapped_model
+    if not hasattr(model, "fused_lm_loss") and hf_fused_loss.supports(model):
+        hf_fused_loss.patch_forward(model)
+        state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(model)))
+        return state
     parts = [part for part in state.model_parts if hasattr(part, "fused_lm_loss")]
     if not parts:
         raise ConfigError.single(
             "--fused-lm-loss",
             True,
             f"{type(state.unwrapped_model).__name__} does not compute its LM loss in its "
-            "forward (the built-in GPT and BERT do, and the Finetuner's causal-LM task for "
-            "Hugging Face models)",
+            "forward (the built-in GPT and BERT do, and Hugging Face causal LMs of the "
+            f"families {', '.join(hf_fused_loss.FAMILIES)})",
             "drop --fused-lm-loss",
         )
     for part in parts:
         part.fused_lm_loss = True  # type: ignore[assignment]
-    engine = "Liger-Kernel (Triton)" if liger_available(state.device) else "torch, chunked"
-    vocab = getattr(getattr(state.unwrapped_model, "config", None), "vocab_size", None)
-    detail = "head and cross-entropy in chunks of tokens, logits recomputed in backward"
-    if vocab and engine.startswith("torch"):
-        detail += f" ({chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab})"
-    state.plan.append(PlanStep("fused LM loss", engine, detail))
+    state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(model)))
     return state
+
+
+def _engine(state: TrainState) -> str:
+    return "Liger-Kernel (Triton)" if liger_available(state.device) else "torch, chunked"
+
+
+def _detail(model: object) -> str:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    detail = "head and cross-entropy in chunks of tokens, logits recomputed in backward"
+    if vocab:
+        detail += f" ({chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab})"
+    return detail
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:

@@ -49,10 +49,11 @@ from rapidformer.models.hf import (
     load_tokenizer,
     save_model,
 )
+from rapidformer.models.hf_fused_loss import FAMILIES as FUSED_FAMILIES
 from rapidformer.state import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.hf_rules import hf_parallel_violations
-from rapidformer.templates.tasks import TASKS, Features, Task, canonical_task, task_for
+from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 if TYPE_CHECKING:
@@ -106,15 +107,19 @@ class Finetuner(Trainer):
             unsupported_family = family_violation(model_type_of(path))
             violations += [unsupported_family] if unsupported_family else []
         if cls.build_model is Finetuner.build_model and config.memory.fused_lm_loss:
-            violations.append(
-                Violation(
-                    "--fused-lm-loss",
-                    True,
-                    "is not yet available for Hugging Face models in the Finetuner (the "
-                    "built-in GPT and BERT pretraining have it)",
-                    "drop --fused-lm-loss",
+            model_type = model_type_of(path) if path else None
+            causal = task is not None and canonical_task(task) == "causal_lm"
+            if not causal or (model_type is not None and model_type not in FUSED_FAMILIES):
+                violations.append(
+                    Violation(
+                        "--fused-lm-loss",
+                        True,
+                        "needs --task causal_lm with a Hugging Face model of the families "
+                        f"{', '.join(FUSED_FAMILIES)} (this run: task {task}, model "
+                        f"{model_type})",
+                        "drop --fused-lm-loss",
+                    )
                 )
-            )
         if cls.build_data is Finetuner.build_data and config.data.data_dir is None:
             violations.append(
                 Violation(
@@ -204,7 +209,10 @@ class Finetuner(Trainer):
         return self.data
 
     def model_inputs(self, batch: Any) -> ModelInputs:
-        """The task's keyword inputs of the model (token ids, masks; seq2seq: the labels)."""
+        """The task's keyword inputs of the model (token ids, masks; seq2seq: the labels; the
+        causal LM under --fused-lm-loss: the labels too, for the loss in the forward)."""
+        if self.config.memory.fused_lm_loss and isinstance(self.task, CausalLM):
+            return self.task.loss_inputs(batch)
         return self.task.inputs(batch)
 
     def compute_loss(self, outputs: Any, batch: Any) -> torch.Tensor:

@@ -32,6 +32,8 @@ class LanguageModeling(Task):
         return Features([f for f in features if len(f["input_ids"]) > 1], split)
 
     def loss(self, outputs: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if getattr(outputs, "logits", True) is None:  # --fused-lm-loss: computed in forward
+            return outputs.loss
         logits, labels = self.predictions(outputs, batch)
         return F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
@@ -139,8 +141,16 @@ class CausalLM(LanguageModeling):
         return super()._encode(texts)
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
-        return labels[:, 1:]  # the shift: position t's logits score token t + 1
+        return self.token_labels(batch)[:, 1:]  # the shift: position t's logits score token t + 1
+
+    def token_labels(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The tokens, with padding ignored (unshifted, as Hugging Face models take labels)."""
+        return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+
+    def loss_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs plus the labels, for a model patched to compute its loss in its forward
+        (``--fused-lm-loss``: :mod:`rapidformer.models.hf_fused_loss`)."""
+        return {**self.inputs(batch), "labels": self.token_labels(batch)}
 
     def predictions(
         self, outputs: Any, batch: Mapping[str, torch.Tensor]
