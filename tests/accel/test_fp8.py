@@ -119,3 +119,59 @@ def test_through_the_engine_it_composes_with_recompute_and_compile(
     gap = max(abs(a - b) for a, b in zip(curves["fp8"], curves["bf16"], strict=True))
     assert gap <= EMULATED_BOUND, curves
     torch._dynamo.reset()
+
+
+def _fp8_losses(out: str) -> None:
+    """Rank r's share of each global batch of 8, fp8 emulated, under ZeRO-3 (FSDP2) when
+    launched on two ranks; losses of the global batch to a file."""
+    import json
+    from pathlib import Path
+
+    from rapidformer.accel import fp8
+    from rapidformer.state import StepFunctions
+
+    torch.set_num_threads(1)
+    fp8.EMULATE = True
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    options = {"precision": "fp8", "lr": 1e-3, "micro_batch_size": 8 // world}
+    options["global_batch_size"] = 8
+    if world > 1:
+        options["zero_3_memory_optimization"] = True
+    engine = RapidformerEngine(RapidformerConfig.from_dict(options), builds_optimizer=True)
+    torch.manual_seed(0)
+    state = engine.compose(TinyTransformerLM(hidden=64, layers=2, heads=4, max_positions=64))
+    rank = engine.env.rank
+    data = MarkovLMDataset(32, min_length=32, max_length=32, seed=2)
+    functions = StepFunctions(
+        train_step=lambda b: lm_loss(state.model, b)["loss"],
+        weight=lambda b: b["input_ids"].shape[0],
+    )
+    share = 8 // world
+    losses = []
+    for step in range(4):
+        rows = [data[step * 8 + rank * share + i] for i in range(share)]
+        losses.append(engine.run_step([pad_collate(rows)], functions).loss)
+    plan = [str(p) for p in state.plan]
+    (Path(out) / f"rank_{rank}_of_{world}.json").write_text(json.dumps([losses, plan]))
+    engine.close()
+
+
+@pytest.mark.distributed
+def test_fp8_under_fsdp2_on_two_ranks_tracks_one_process(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from rapidformer.accel import fp8
+    from rapidformer.testing.launch import run_distributed
+
+    monkeypatch.setattr(fp8, "EMULATE", True)  # restored after the in-process run
+    _fp8_losses(str(tmp_path))
+    run_distributed(_fp8_losses, 2, str(tmp_path))
+    one, _ = json.loads((tmp_path / "rank_0_of_1.json").read_text())
+    two, plan_two = json.loads((tmp_path / "rank_0_of_2.json").read_text())
+    assert any("fp8: torchao" in p for p in plan_two) and any("ZeRO-3" in p for p in plan_two)
+    # Each rank scales its own activations to float8: close to one process, not equal.
+    gap = max(abs(a - b) for a, b in zip(one, two, strict=True))
+    print(f"fp8 two ranks vs one: max loss gap {gap:.2e}")
+    assert gap <= EMULATED_BOUND, (one, two)
