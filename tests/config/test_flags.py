@@ -80,7 +80,7 @@ REFERENCE_FLAGS = {
     "--seed": (int, 1234, None),
     "--lr-warmup-iters": (int, 0, None),
     "--min-lr": (float, 0.0, None),
-    "--precision": (str, "fp32", {"fp32", "fp16", "bf16"}),
+    "--precision": (str, "fp32", {"fp32", "fp16", "bf16", "fp8"}),
     "--vocab-file": (str, None, None),
     "--merge-file": (str, None, None),
     "--user-script": (str, None, None),
@@ -148,12 +148,12 @@ def test_both_spellings_of_the_causal_lm_task_are_accepted() -> None:
 
 def test_unknown_and_badly_typed_keys_are_all_reported_with_a_fix() -> None:
     with pytest.raises(ConfigError) as caught:
-        RapidformerConfig.from_dict({"micro_batch_sise": 2, "lr": "fast", "precision": "fp8"})
+        RapidformerConfig.from_dict({"micro_batch_sise": 2, "lr": "fast", "precision": "fp4"})
     message = str(caught.value)
     assert len(caught.value.violations) == 3
     assert "did you mean --micro-batch-size" in message
     assert "--lr='fast': must be a number" in message
-    assert "use one of: fp32, fp16, bf16" in message
+    assert "use one of: fp32, fp16, bf16, fp8" in message
 
 
 def test_unknown_choice_on_the_command_line_exits_with_usage() -> None:
