@@ -28,7 +28,7 @@ def apply_fused_lm_loss(
     model = state.unwrapped_model
     if not hasattr(model, "fused_lm_loss") and hf_fused_loss.supports(model):
         hf_fused_loss.patch_forward(model)
-        state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(model)))
+        state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(state)))
         return state
     parts = [part for part in state.model_parts if hasattr(part, "fused_lm_loss")]
     if not parts:
@@ -42,7 +42,7 @@ def apply_fused_lm_loss(
         )
     for part in parts:
         part.fused_lm_loss = True  # type: ignore[assignment]
-    state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(model)))
+    state.plan.append(PlanStep("fused LM loss", _engine(state), _detail(state)))
     return state
 
 
@@ -50,8 +50,10 @@ def _engine(state: TrainState) -> str:
     return "Liger-Kernel (Triton)" if liger_available(state.device) else "torch, chunked"
 
 
-def _detail(model: object) -> str:
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+def _detail(state: TrainState) -> str:
+    if liger_available(state.device):
+        return "Liger's fused linear cross-entropy: the head and the loss in one kernel pass"
+    vocab = getattr(getattr(state.unwrapped_model, "config", None), "vocab_size", None)
     detail = "head and cross-entropy in chunks of tokens, logits recomputed in backward"
     if vocab:
         detail += f" ({chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab})"
