@@ -16,7 +16,6 @@ rapidformer's pipeline layout and torch.distributed.pipelining's schedules, on g
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -151,7 +150,8 @@ def main() -> None:
         print(row, flush=True)
     if args.quick:
         return
-    result = stamp({"forward_s": FORWARD_S, "backward_s": BACKWARD_S, "rows": rows}, env=os.environ)
+    # No environment in the command: it would record this machine's variables and paths.
+    result = stamp({"forward_s": FORWARD_S, "backward_s": BACKWARD_S, "rows": rows})
     lines = [
         "# Pipeline bubble: measured vs theory",
         "",
