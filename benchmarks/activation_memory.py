@@ -146,7 +146,13 @@ def child(mode: str, steps: int) -> None:
 
 # ---- the parent: interleaved child runs and the report -----------------------------------
 def run_child(mode: str, steps: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", "--steps", str(steps), "--mode", mode]
+    return run_script_child(__file__, "--child", "--steps", str(steps), "--mode", mode)
+
+
+def run_script_child(script: str, *args: str) -> dict[str, Any]:
+    """``script args`` in a fresh process with the mmap threshold set; the JSON of its last
+    ``RESULT`` line (the process exits this one with its output when it fails)."""
+    command = [sys.executable, script, *args]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, HIDDEN, TOKENS = 50304, 1024, 4096
-MMAP_THRESHOLD = "131072"
-RESULT_PREFIX = "RESULT "
+MMAP_THRESHOLD = "131072"  # what activation_memory.run_script_child sets for the children
+RESULT_PREFIX = "RESULT "  # the line run_script_child reads
 MODES = ("plain", "fused")
 
 
@@ -69,14 +66,11 @@ def child(mode: str, tokens: int, vocab: int) -> None:
 
 
 def run_child(mode: str, tokens: int, vocab: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", mode, "--tokens", str(tokens)]
-    command += ["--vocab", str(vocab)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        sys.exit(f"child {command} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    from activation_memory import run_script_child  # same mmap threshold, same RESULT line
+
+    return run_script_child(
+        __file__, "--child", mode, "--tokens", str(tokens), "--vocab", str(vocab)
+    )
 
 
 def main() -> None:

@@ -64,11 +64,6 @@ class Shape:
         return value
 
 
-def lr_factor(step: int, *, total: int, warmup: int, style: str, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate for the step about to be taken (0-based)."""
-    return Shape(total, warmup, style, min_ratio).factor(step)
-
-
 class WarmupDecaySchedule(LambdaLR):
     """The flags' schedule: a ``LambdaLR`` on the host, or counted on the device once
     :meth:`count_on_device` was called (then :meth:`step` takes whether the step applied)."""

@@ -4,6 +4,7 @@ through torchao's CPU emulation, and the flag is refused where it cannot run."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -132,7 +133,7 @@ def _fp8_losses(out: str) -> None:
 
     torch.set_num_threads(1)
     fp8.EMULATE = True
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     options = {"precision": "fp8", "lr": 1e-3, "micro_batch_size": 8 // world}
     options["global_batch_size"] = 8
     if world > 1:

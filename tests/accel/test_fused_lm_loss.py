@@ -85,6 +85,7 @@ def test_liger_is_called_with_its_argument_order_where_it_runs(
             calls.append(args)
             return torch.tensor(1.0)
 
+    assert not fused_loss.liger_available(torch.device("cpu"))  # Triton: CUDA only
     fake = types.ModuleType("liger_kernel.transformers")
     fake.LigerFusedLinearCrossEntropyLoss = Loss  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
@@ -93,7 +94,6 @@ def test_liger_is_called_with_its_argument_order_where_it_runs(
     assert fused_linear_cross_entropy(hidden, weight, b, targets).item() == 1.0
     ((w, h, t, bias),) = calls
     assert w is weight and h.shape == (37, 16) and t.shape == (37,) and bias is b
-    assert not fused_loss.liger_available(torch.device("cpu")) or True
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +216,60 @@ def test_the_finetuner_refuses_other_tasks_and_families_before_anything_is_built
         )
         violations = Finetuner.config_violations(config)
         assert any(v.flag == "--fused-lm-loss" for v in violations), (task, violations)
+
+
+def _gpt_losses(out: str, fused: bool) -> None:
+    """4 steps of a tiny built-in GPT on global batches of 8 (rank r takes its share), under
+    ZeRO-3 (FSDP2) on two ranks; the global-batch losses to a file."""
+    import json
+    import os
+
+    from rapidformer.models.gpt import GPTConfig, GPTModel
+    from rapidformer.state import StepFunctions
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    options = {"lr": 1e-3, "micro_batch_size": 8 // world, "global_batch_size": 8}
+    options |= {"train_iters": 4, "seq_length": 32, "fused_lm_loss": fused}
+    if world > 1:
+        options["zero_3_memory_optimization"] = True
+    engine = RapidformerEngine(
+        RapidformerConfig.from_dict(options), builds_optimizer=True, runs_loop=True
+    )
+    shape = GPTConfig(
+        vocab_size=96, num_layers=2, hidden_size=32, num_attention_heads=4,
+        max_position_embeddings=32, dropout=0.0,
+    )  # fmt: skip
+    model = GPTModel.build(shape, device="cpu", seed=0)
+    state = engine.compose(model)
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        if fused:  # the head and the loss inside the (sharded) model's forward
+            return state.model(ids[:, :-1], None, ids[:, 1:])
+        return F.cross_entropy(state.model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+    functions = StepFunctions(train_step=loss, weight=lambda ids: ids[:, 1:].numel())
+    data = torch.randint(0, 96, (4, 8, 33), generator=torch.Generator().manual_seed(1))
+    rank, share = engine.env.rank, 8 // world
+    losses = [
+        engine.run_step([step[rank * share : (rank + 1) * share]], functions).loss for step in data
+    ]
+    plan = [str(p) for p in state.plan]
+    name = f"{'fused' if fused else 'plain'}_{world}_{rank}.json"
+    (Path(out) / name).write_text(json.dumps([losses, plan]))
+    engine.close()
+
+
+@pytest.mark.distributed
+def test_under_fsdp2_on_two_ranks_it_keeps_the_one_process_losses(tmp_path: Path) -> None:
+    import json
+
+    from rapidformer.testing.launch import run_distributed
+
+    _gpt_losses(str(tmp_path), fused=False)
+    run_distributed(_gpt_losses, 2, str(tmp_path), True)
+    plain, _ = json.loads((tmp_path / "plain_1_0.json").read_text())
+    fused, plan = json.loads((tmp_path / "fused_2_0.json").read_text())
+    assert any(p.startswith("fused LM loss") for p in plan)
+    assert any("ZeRO-3" in p for p in plan), plan
+    assert max(abs(a - b) for a, b in zip(plain, fused, strict=True)) <= PARITY, (plain, fused)

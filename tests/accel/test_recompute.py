@@ -108,31 +108,28 @@ def _count_forwards(calls: Counter[int]) -> Callable[[nn.Module], None]:
     return install
 
 
-def test_method_block_recomputes_exactly_the_first_n_layers() -> None:
+@pytest.mark.parametrize(
+    ("method", "runs", "plan_text"),
+    [
+        # block 2: layers 0 and 1 run again in backward, 2 and 3 keep everything
+        ("block", {0: 2, 1: 2, 2: 1, 3: 1}, "2 of 4 layers x Block"),
+        # uniform 2: every layer recomputed once, two layers per checkpoint
+        ("uniform", {0: 2, 1: 2, 2: 2, 3: 2}, "4 layers in chunks of 2"),
+    ],
+)
+def test_the_method_chooses_which_layers_recompute(
+    method: str, runs: dict[int, int], plan_text: str
+) -> None:
     calls: Counter[int] = Counter()
     options = {
         "recompute_granularity": "full",
-        "recompute_method": "block",
+        "recompute_method": method,
         "recompute_num_layers": 2,
     }
     _, plain_grads, _, _ = _step({})
     _, grads, _, plan = _step(options, before=_count_forwards(calls))
-    assert calls == Counter({0: 2, 1: 2, 2: 1, 3: 1}), calls  # two layers ran again
-    assert any("2 of 4 layers x Block" in p for p in plan), plan
-    assert _max_gap(grads, plain_grads) <= PARITY
-
-
-def test_method_uniform_keeps_one_input_per_chunk() -> None:
-    calls: Counter[int] = Counter()
-    options = {
-        "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 2,
-    }
-    _, plain_grads, _, _ = _step({})
-    _, grads, _, plan = _step(options, before=_count_forwards(calls))
-    assert calls == Counter({0: 2, 1: 2, 2: 2, 3: 2}), calls  # every layer recomputed once
-    assert any("4 layers in chunks of 2" in p for p in plan), plan
+    assert calls == Counter(runs), calls
+    assert any(plan_text in p for p in plan), plan
     assert _max_gap(grads, plain_grads) <= PARITY
 
 

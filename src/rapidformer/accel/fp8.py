@@ -41,19 +41,15 @@ HEAD_NAMES = ("lm_head", "head", "embed_out", "output", "classifier", "score")
 FP8_CAPABILITY = (8, 9)
 
 
-def _tied_to_embedding(linear: nn.Linear, model: nn.Module) -> bool:
-    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
-    return any(linear.weight is weight for weight in embeddings)
-
-
 def eligible(model: nn.Module) -> tuple[list[str], list[str]]:
     """(names of the linear layers to convert, names of those that stay bf16)."""
     convert: list[str] = []
     keep: list[str] = []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        head = name.rsplit(".", 1)[-1] in HEAD_NAMES or _tied_to_embedding(module, model)
+        head = name.rsplit(".", 1)[-1] in HEAD_NAMES or id(module.weight) in embeddings
         aligned = module.in_features % 16 == 0 and module.out_features % 16 == 0
         (convert if aligned and not head else keep).append(name)
     return convert, keep
