@@ -273,3 +273,20 @@ def test_under_fsdp2_on_two_ranks_it_keeps_the_one_process_losses(tmp_path: Path
     assert any(p.startswith("fused LM loss") for p in plan)
     assert any("ZeRO-3" in p for p in plan), plan
     assert max(abs(a - b) for a, b in zip(plain, fused, strict=True)) <= PARITY, (plain, fused)
+
+
+def test_a_training_forward_without_labels_fails_loudly() -> None:
+    """Without the labels the switch could not take effect: the model says so."""
+    from rapidformer.models.gpt import GPTConfig, GPTModel
+
+    shape = GPTConfig(
+        vocab_size=96, num_layers=1, hidden_size=32, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    model = GPTModel.build(shape, device="cpu", seed=0)
+    model.fused_lm_loss = True  # what --fused-lm-loss sets
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"--fused-lm-loss: GPTModel\.forward ran in training"):
+        model(ids)
+    model.eval()
+    assert model(ids).shape == (2, 16, 96)  # evaluation keeps the logits

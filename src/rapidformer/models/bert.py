@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rapidformer.models.fused_loss import fused_linear_cross_entropy
+from rapidformer.models.fused_loss import fused_linear_cross_entropy, require_labels
 from rapidformer.models.layers import TPStyle, TransformerBlock, TransformerShape
 from rapidformer.models.moe import MoESpec, install_moe
 from rapidformer.models.stages import StagedModel
@@ -177,7 +177,8 @@ class BertModel(StagedModel):
         assert self.sop_head is not None
         pooled = torch.tanh(self.pooler(x[:, 0]))
         hidden = self.mlm_norm(self.mlm_activation(self.mlm_transform(x)))
-        if self.fused_lm_loss and self.training and mlm_labels is not None:
+        if self.fused_lm_loss and self.training:
+            mlm_labels = require_labels(self, mlm_labels)
             head = self.lm_head
             mlm = fused_linear_cross_entropy(hidden, head.weight, head.bias, mlm_labels)
             return mlm, self.sop_head(pooled)

@@ -129,3 +129,15 @@ def fused_linear_cross_entropy(
         hidden, weight, bias, targets, chunk_tokens(weight.shape[0])
     )
     return total / (targets != IGNORE_INDEX).sum()
+
+
+def require_labels(model: object, labels: torch.Tensor | None) -> torch.Tensor:
+    """Under ``--fused-lm-loss`` a training forward must get the labels: without them it would
+    return full logits and the switch would silently do nothing."""
+    if labels is None:
+        raise RuntimeError(
+            f"--fused-lm-loss: {type(model).__name__}.forward ran in training without labels, "
+            "so it would compute all logits after all; pass the labels to the model (the "
+            "Pretrainer and the Finetuner's causal-LM task do), or drop --fused-lm-loss"
+        )
+    return labels

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rapidformer.models.fused_loss import fused_linear_cross_entropy
+from rapidformer.models.fused_loss import fused_linear_cross_entropy, require_labels
 from rapidformer.models.layers import (
     TPStyle,
     TransformerBlock,
@@ -174,7 +174,8 @@ class GPTModel(StagedModel):
             return x
         assert self.final_norm is not None
         x = self.final_norm(x)
-        if self.fused_lm_loss and self.training and labels is not None:
+        if self.fused_lm_loss and self.training:
+            labels = require_labels(self, labels)
             head = self.lm_head
             return fused_linear_cross_entropy(x, head.weight, head.bias, labels)
         return self.lm_head(x)

@@ -1,11 +1,12 @@
 """The fused LM loss inside a Hugging Face causal LM's forward (``--fused-lm-loss``).
 
-In training, with ``labels``, the patched forward runs the base model for the final hidden
-states (after the final norm) and hands them, the output embedding's weight and the labels
-shifted by one to :func:`rapidformer.models.fused_loss.fused_linear_cross_entropy`; it returns
-an output whose ``loss`` is that mean and whose ``logits`` are None. Otherwise (evaluation,
-generation) the model's own forward runs, without the labels. Families whose logits are
-exactly ``lm_head(hidden)`` only (:data:`FAMILIES`): no logit scaling or soft-capping.
+In training the patched forward (which then requires ``labels``) runs the base model for the
+final hidden states (after the final norm) and hands them, the output embedding's weight and
+the labels shifted by one to :func:`rapidformer.models.fused_loss.fused_linear_cross_entropy`;
+it returns an output whose ``loss`` is that mean and whose ``logits`` are None. In
+evaluation (and generation) the model's own forward runs, without the labels. Families whose
+logits are exactly ``lm_head(hidden)`` only (:data:`FAMILIES`): no logit scaling or
+soft-capping.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from rapidformer.models.fused_loss import fused_linear_cross_entropy
+from rapidformer.models.fused_loss import fused_linear_cross_entropy, require_labels
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 """Causal-LM families whose logits are the output embedding of the last hidden states."""
@@ -46,8 +47,9 @@ def patch_forward(model: nn.Module) -> None:
 
     @functools.wraps(original)
     def forward(*args: Any, labels: Any = None, **kwargs: Any) -> Any:
-        if not (model.training and labels is not None):
+        if not model.training:
             return original(*args, **kwargs)
+        labels = require_labels(model, labels)
         hidden = base(*args, **kwargs).last_hidden_state
         loss = fused_linear_cross_entropy(
             hidden[:, :-1], head.weight, head.bias, labels[:, 1:].contiguous()
