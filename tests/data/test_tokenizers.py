@@ -170,3 +170,26 @@ def test_tokenizer_errors(trained: dict, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not valid JSON") as info:
         build_tokenizer("GPT2BPETokenizer", str(not_json), merges)
     assert str(not_json) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_TYPES)
+def test_training_twice_writes_the_same_files(kind: str, tmp_path: Path) -> None:
+    # The Rust trainers broke ties in hash-map order: every run learnt another vocabulary.
+    texts = corpus(seed=3)
+    first = train_tokenizer(texts, kind, str(tmp_path / "a"), vocab_size=300)
+    second = train_tokenizer(texts, kind, str(tmp_path / "b"), vocab_size=300)
+    for a, b in zip(first, second, strict=True):
+        assert (a is None and b is None) or Path(a).read_bytes() == Path(b).read_bytes()  # type: ignore[arg-type]
+
+
+def test_a_tie_goes_to_the_smallest_pair_and_counts_decide_the_rest() -> None:
+    from rapidformer.data.vocab_training import learn_bpe, learn_wordpiece
+
+    # "cd" is the most frequent pair; "ab" and "xy" tie after it and "ab" comes first, which
+    # fills the vocabulary (9).
+    vocab, merges = learn_bpe(["xy", "ab", "cd", "cd"], "", ["<eod>"], vocab_size=9)
+    assert merges == [("c", "d"), ("a", "b")]
+    assert list(vocab) == ["<eod>", "a", "b", "c", "d", "x", "y", "cd", "ab"]
+    pieces = learn_wordpiece(["abc", "abc", "bc"], "", ["[UNK]"], vocab_size=100)
+    # ("##b", "##c") and ("a", "##b") tie at 2: "##b" < "a". Then "a" + "##bc", "b" + "##c".
+    assert list(pieces)[7:] == ["##bc", "abc", "bc"], list(pieces)

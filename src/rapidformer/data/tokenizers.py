@@ -23,12 +23,12 @@ import importlib
 import json
 import os
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import trainers as tk_trainers
 
+from rapidformer.data.vocab_training import learn_bpe, learn_wordpiece
 from rapidformer.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -249,27 +249,35 @@ def train_tokenizer(
         lower = tokenizer_type == "BertWordPieceLowerCase"
         backend = _bert_backend({"[UNK]": 0}, lowercase=lower)
         letters = string.ascii_lowercase if lower else string.ascii_letters
-        bert_trainer = tk_trainers.WordPieceTrainer(
-            vocab_size=vocab_size,
-            special_tokens=list(BERT_SPECIAL_TOKENS),
-            initial_alphabet=list(letters + string.digits + string.punctuation),
-            show_progress=False,
+        vocab = learn_wordpiece(
+            _words(backend, texts),
+            letters + string.digits + string.punctuation,
+            list(BERT_SPECIAL_TOKENS),
+            vocab_size,
         )
-        backend.train_from_iterator(texts, bert_trainer)
-        vocab = backend.get_vocab(with_added_tokens=True)
-        by_id = sorted(vocab, key=vocab.__getitem__)
         vocab_file = os.path.join(out_dir, "vocab.txt")
         with open(vocab_file, "w", encoding="utf-8") as f:
-            f.write("".join(token + "\n" for token in by_id))
+            f.write("".join(token + "\n" for token in vocab))  # in id order
         return vocab_file, None
-    backend = Tokenizer(models.BPE(fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    bpe_trainer = tk_trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[GPT2_EOD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    backend = _gpt2_backend({GPT2_EOD: 0}, [])
+    vocab, merges = learn_bpe(
+        _words(backend, texts), pre_tokenizers.ByteLevel.alphabet(), [GPT2_EOD], vocab_size
     )
-    backend.train_from_iterator(texts, bpe_trainer)
-    backend.model.save(out_dir)  # vocab.json and merges.txt (with a "#version: 0.2" line)
-    return os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
+    vocab_file, merge_file = (
+        os.path.join(out_dir, "vocab.json"),
+        os.path.join(out_dir, "merges.txt"),
+    )
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merge_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    return vocab_file, merge_file
+
+
+def _words(backend: Tokenizer, texts: Iterable[str]) -> Iterator[str]:
+    """The words ``backend`` would split ``texts`` into (after its normalizer)."""
+    for text in texts:
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        assert backend.pre_tokenizer is not None
+        yield from (word for word, _ in backend.pre_tokenizer.pre_tokenize_str(text))

@@ -100,8 +100,23 @@ def destroy_process_group() -> None:
         return
     if dist.get_world_size() > 1 and not _broken:
         dist.barrier()
+    _retire_groups()
     dist.destroy_process_group()
     _broken = False
+
+
+# Groups this process has left, kept until it joins a new one. A gloo group's destructor joins
+# its worker threads, and a worker may still be freeing a finished collective's tensors, for
+# which it takes the GIL. Dropped through the Python object, the destructor lets go of the GIL
+# first; dropped by C++ (the Reducer inside a DDP model the user frees after close()), it joins
+# while holding the GIL and both wait forever (seen with torch 2.13 and gloo under load, after
+# ZeRO-1's broadcasts). Holding the Python objects here makes theirs the last reference.
+_retired: list[dist.ProcessGroup] = []
+
+
+def _retire_groups() -> None:
+    _retired.clear()  # the previous group's workers went idle long ago
+    _retired.extend(dist.distributed_c10d._world.pg_map)
 
 
 def is_distributed() -> bool:
