@@ -3,8 +3,9 @@
 ``train_gpt(layout)`` trains the built-in GPT (built on the meta device, initialised by the
 engine) for a few steps of 4 micro-batches with uneven token counts (right padding ignored
 by the loss), gradient clipping on, AdamW built by the engine, and returns every step's loss
-and gradient norm. Each data-parallel rank takes its share of the same global batches, so
-every layout must reproduce the one-process numbers.
+and gradient norm. Each data-parallel rank takes its share of the same global batches in the
+same micro-batches (as the samplers hand them out), so every layout must reproduce the
+one-process numbers, per-micro-batch statistics such as MoE's balancing loss included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.accel.stepper import align_gradients
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from rapidformer.data.samplers import contiguous_share
 from rapidformer.memory import describe
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import StepFunctions, TrainState
@@ -41,15 +43,18 @@ GPT = GPTConfig(
 def batches_of_step(
     step: int, dp_rank: int, dp: int, ragged: bool = False
 ) -> list[dict[str, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of global step ``step``: samples of 3..15
+    """This data-parallel rank's micro-batches of global step ``step``, taken as the samplers
+    take them (micro-step k of rank r is one process's micro-step k*dp + r): samples of 3..15
     tokens padded to one length, or with ``ragged`` each micro-batch to its own longest
     sample (as the dynamic-shape iterator does); padding is ignored by the loss either way."""
     data = MarkovLMDataset(
         GLOBAL_BATCH, vocab_size=64, min_length=4, max_length=LENGTH, seed=100 + step
     )
-    mine = [data[i] for i in range(GLOBAL_BATCH)][dp_rank::dp]
+    mine = [data[i] for i in contiguous_share(range(GLOBAL_BATCH), MICRO_BATCH, dp_rank, dp)]
     pad_to = None if ragged else LENGTH
-    return [pad_collate(mine[i : i + MICRO_BATCH], pad_to) for i in range(0, len(mine), 2)]
+    return [
+        pad_collate(mine[i : i + MICRO_BATCH], pad_to) for i in range(0, len(mine), MICRO_BATCH)
+    ]
 
 
 def gpt_loss(logits: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -67,15 +72,12 @@ def train_gpt(
     load: str | None = None,
     ragged: bool = False,
     before_step: Callable[[TrainState, int], None] | None = None,
-    like_dp: int = 1,
 ) -> dict[str, Any]:
     """Losses and gradient norms of steps ``start`` .. ``steps - 1`` on ``layout`` (config
     overrides: parallel sizes, schedules, sharding, precision ...), plus what this rank holds.
     ``save=(dir, step)`` writes a checkpoint after that many steps; ``load=dir`` resumes from
     the checkpoint there (then ``start`` is its step). ``ragged``: micro-batches of different
-    lengths; ``before_step(state, index)`` runs before each step (fault injection).
-    ``like_dp``: a one-process run takes its micro-batches grouped as ``like_dp`` data-parallel
-    ranks would (MoE's balancing loss is per micro-batch, so its groups must match)."""
+    lengths; ``before_step(state, index)`` runs before each step (fault injection)."""
     config = RapidformerConfig.from_dict(
         {
             "micro_batch_size": MICRO_BATCH,
@@ -111,12 +113,7 @@ def train_gpt(
     for index in range(start, steps):
         if before_step is not None:
             before_step(state, index)
-        if like_dp > 1 and dims.dp == 1:
-            batches = [
-                b for r in range(like_dp) for b in batches_of_step(index, r, like_dp, ragged)
-            ]
-        else:
-            batches = batches_of_step(index, dims.dp_rank, dims.dp, ragged)
+        batches = batches_of_step(index, dims.dp_rank, dims.dp, ragged)
         result = engine.run_step(batches, step)
         losses.append(result.loss)
         norms.append(result.grad_norm)

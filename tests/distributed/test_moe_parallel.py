@@ -4,8 +4,9 @@ The built-in GPT with ``--num-experts 4`` (top-2, dropless, aux loss on) trains 
 4 micro-batches with uneven token counts, clipping on. Expert parallelism, and its compositions
 with ZeRO-2/3, activation checkpointing, DDP, pipeline and tensor parallelism and ragged
 micro-batches, must reproduce the one-process losses within 1e-5. The balancing loss is taken
-per micro-batch (as Megatron does), so the one-process run groups its micro-batches as the
-data-parallel ranks do (``like_dp``). Checkpoints resume across ep degrees (ep2 -> ep1,
+per micro-batch (as Megatron does): every layout reads the one process's micro-batches, so one
+process is the reference as it is, for every balancing type. Checkpoints resume across ep
+degrees (ep2 -> ep1,
 ep1 -> ep2) and on another dp. One launch per rank count.
 """
 
@@ -25,37 +26,49 @@ from tests.distributed.parity import PARITY, train_gpt
 MOE = {"num_experts": 4}
 EP2 = {**MOE, "expert_model_parallel_size": 2}
 PATTERN = {**MOE, "moe_layer_freq": "[0,1,1,0]"}
-TWO_RANKS: dict[str, tuple[dict[str, Any], int | str]] = {
-    # name: (layout, the data-parallel grouping of the one-process run it must match)
-    "ep2": (EP2, 2),
-    "ep2_zero1": ({**EP2, "zero_1_memory_optimization": True}, 2),
-    "ep2_zero2": ({**EP2, "zero_2_memory_optimization": True}, 2),
-    "ep2_zero3": ({**EP2, "zero_3_memory_optimization": True}, 2),
-    "ep2_checkpointing": ({**EP2, "checkpoint_activations": True}, 2),
-    "dp2_ddp": (MOE, 2),
-    "pp2": ({**MOE, "pipeline_model_parallel_size": 2}, 1),
-    "tp2": ({**MOE, "tensor_model_parallel_size": 2}, 1),
+SEQ_Z = {"moe_router_load_balancing_type": "seq_aux_loss", "moe_z_loss_coeff": 1e-3}
+REFERENCES: dict[str, dict[str, Any]] = {
+    # name: the one-process run (on its micro-batches as they are) that layouts must match
+    "": MOE,
+    "_pattern": PATTERN,
+    "_seq_z": {**MOE, **SEQ_Z},
+}
+TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
+    # name: (layout, the reference it must match)
+    "ep2": (EP2, ""),
+    "ep2_zero1": ({**EP2, "zero_1_memory_optimization": True}, ""),
+    "ep2_zero2": ({**EP2, "zero_2_memory_optimization": True}, ""),
+    "ep2_zero3": ({**EP2, "zero_3_memory_optimization": True}, ""),
+    "ep2_checkpointing": ({**EP2, "checkpoint_activations": True}, ""),
+    "dp2_ddp": (MOE, ""),
+    "pp2": ({**MOE, "pipeline_model_parallel_size": 2}, ""),
+    "tp2": ({**MOE, "tensor_model_parallel_size": 2}, ""),
     # Interleaved stages give each rank non-contiguous layers, two of them MoE.
     "pp2_interleaved": (
         {**PATTERN, "pipeline_model_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B"},
-        "1_pattern",
+        "_pattern",
     ),
+    # Per-sequence balancing and the router z-loss, on data and on expert parallelism.
+    "dp2_seq_z": ({**MOE, **SEQ_Z}, "_seq_z"),
+    "ep2_seq_z": ({**EP2, **SEQ_Z}, "_seq_z"),
+    "pp2_seq_z": ({**MOE, **SEQ_Z, "pipeline_model_parallel_size": 2}, "_seq_z"),
 }
-RAGGED = {"ep2_ragged": (EP2, 2)}
+RAGGED = {"ep2_ragged": (EP2, "_ragged")}
 RAGGED_STEPS = 5
 """Expert choices are discrete: rounding (other shapes, other ranks) flips one only where two
-scores tie within it. The ragged reference has a near-tie (2e-7) at step 5, so it runs 5
-steps; the padded references keep every top-k gap above 2e-6, 10x their rounding."""
+scores tie within it. The ragged reference is kept to 5 steps (it once had a near-tie of 2e-7
+at step 5); the padded references keep every top-k gap above 2e-6, 10x their rounding."""
 REDUCED = {
     "ep2_bf16": ({**EP2, "precision": "bf16"}, "bf16", 2e-2),
     "ep2_fp16": ({**EP2, "precision": "fp16"}, "fp16", 2e-3),
 }
 """Reduced precision against the one-process run in the same precision: bounded, not exact."""
-FOUR_RANKS: dict[str, tuple[dict[str, Any], int]] = {
-    "dp2_ep2": (EP2, 4),
-    "dp2_ep2_zero1": ({**EP2, "zero_1_memory_optimization": True}, 4),
-    "dp2_ep2_zero2": ({**EP2, "zero_2_memory_optimization": True}, 4),
-    "pp2_ep2": ({**EP2, "pipeline_model_parallel_size": 2}, 2),
+FOUR_RANKS: dict[str, tuple[dict[str, Any], str]] = {
+    "dp2_ep2": (EP2, ""),
+    "dp2_ep2_zero1": ({**EP2, "zero_1_memory_optimization": True}, ""),
+    "dp2_ep2_zero2": ({**EP2, "zero_2_memory_optimization": True}, ""),
+    "pp2_ep2": ({**EP2, "pipeline_model_parallel_size": 2}, ""),
+    "dp2_ep2_seq_z": ({**EP2, **SEQ_Z}, "_seq_z"),
 }
 SAVE_AT = 5
 
@@ -87,18 +100,14 @@ def _four(out: str) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("moe")
     results: dict[str, Any] = {}
-    for like_dp in (1, 2):
-        save = (str(out / "ckpt_ep1"), SAVE_AT) if like_dp == 2 else None
-        results[f"reference_dp{like_dp}"] = {0: train_gpt(MOE, like_dp=like_dp, save=save)}
+    for name, layout in REFERENCES.items():
+        save = (str(out / "ckpt_ep1"), SAVE_AT) if name == "" else None
+        results[f"reference{name}"] = {0: train_gpt(layout, save=save)}
     for precision in ("bf16", "fp16"):
-        layout = {**MOE, "precision": precision}
-        results[f"reference_dp2_{precision}"] = {0: train_gpt(layout, like_dp=2)}
+        results[f"reference_{precision}"] = {0: train_gpt({**MOE, "precision": precision})}
+    results["reference_ragged"] = {0: train_gpt(MOE, ragged=True, steps=RAGGED_STEPS)}
     run_distributed(_two, 2, str(out))
-    results["ep2_to_ep1"] = {0: train_gpt(MOE, load=str(out / "ckpt_ep2"), like_dp=2)}
-    results["reference_dp1_pattern"] = {0: train_gpt(PATTERN)}
-    ragged = train_gpt(MOE, like_dp=2, ragged=True, steps=RAGGED_STEPS)
-    results["reference_dp2_ragged"] = {0: ragged}
-    results["reference_dp4"] = {0: train_gpt(MOE, like_dp=4)}
+    results["ep2_to_ep1"] = {0: train_gpt(MOE, load=str(out / "ckpt_ep2"))}
     run_distributed(_four, 4, str(out))
     for file in out.glob("*_rank*.json"):
         name, rank = file.stem.rsplit("_rank", 1)
@@ -111,8 +120,9 @@ def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def _check(runs: dict[str, Any], name: str, like_dp: int | str, tolerance: float = PARITY) -> None:
-    reference = runs[f"reference_dp{like_dp}"][0]
+def _check(runs: dict[str, Any], name: str, reference_name: str) -> None:
+    reference = runs[f"reference{reference_name}"][0]
+    tolerance = PARITY
     for rank, run in runs[name].items():
         assert _max_diff(run["losses"], reference["losses"]) <= tolerance, (name, rank)
         assert _max_diff(run["norms"], reference["norms"]) <= 10 * tolerance, (name, rank)
@@ -125,18 +135,17 @@ def _check(runs: dict[str, Any], name: str, like_dp: int | str, tolerance: float
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [*TWO_RANKS, *RAGGED])
 def test_two_rank_layout_matches_the_one_process_run(runs: dict[str, Any], name: str) -> None:
-    layouts = {**TWO_RANKS, **RAGGED}
     # Ragged micro-batches (the dynamic-shape iterator's) against the same ragged run.
-    like = f"{layouts[name][1]}" + ("_ragged" if name in RAGGED else "")
-    _check(runs, name, like)
-    assert runs[f"reference_dp{like}"][0]["norms"][0] > 0.05  # clipping acted
+    reference = {**TWO_RANKS, **RAGGED}[name][1]
+    _check(runs, name, reference)
+    assert runs[f"reference{reference}"][0]["norms"][0] > 0.05  # clipping acted
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(REDUCED))
 def test_reduced_precision_is_bounded(runs: dict[str, Any], name: str) -> None:
     _, precision, tolerance = REDUCED[name]
-    reference = runs[f"reference_dp2_{precision}"][0]
+    reference = runs[f"reference_{precision}"][0]
     for run in runs[name].values():
         assert _max_diff(run["losses"], reference["losses"]) <= tolerance
 
@@ -153,7 +162,7 @@ def test_four_rank_layout_matches_the_one_process_run(runs: dict[str, Any], name
 def test_a_checkpoint_resumes_on_another_expert_parallel_degree(
     runs: dict[str, Any], name: str
 ) -> None:
-    reference = runs["reference_dp2"][0]["losses"][SAVE_AT:]
+    reference = runs["reference"][0]["losses"][SAVE_AT:]
     for rank, run in runs[name].items():
         assert _max_diff(run["losses"], reference) <= PARITY, (name, rank)
 

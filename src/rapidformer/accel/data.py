@@ -1,4 +1,6 @@
-"""Data for data parallelism: each rank reads its own, resumable share of every epoch.
+"""Data for data parallelism: each rank reads its own, resumable share of every epoch, in the
+micro-batches one process would read (micro-step k of rank r = one process's micro-step
+``k*dp + r``; see :mod:`rapidformer.data.samplers`).
 
 A user's DataLoader is rebuilt around :class:`ResumableDistributedSampler` with the same
 dataset, batch size, collate function and workers. Shuffling is kept if the user's loader
@@ -104,7 +106,12 @@ def _train_order(
         "dp_rank": dims.dp_rank, "dp_size": dims.dp, "shuffle": shuffle,
         "seed": config.training.seed,
     }  # fmt: skip
-    fixed = ResumableDistributedSampler(len(train.dataset), **common)  # type: ignore[arg-type]
+    micro = train.batch_size or 1
+    fixed = ResumableDistributedSampler(
+        len(train.dataset),  # type: ignore[arg-type]
+        micro_batch_size=micro,
+        **common,
+    )
     if config.data.data_iterator == "fixed-shape":
         return fixed, None, "fixed shape (as the collate function pads)"
     lengths = getattr(train.dataset, "lengths", None)
@@ -127,6 +134,6 @@ def _train_order(
         )
     seq_length = config.model.seq_length or int(lengths.max())
     buckets = bucket_lengths(seq_length)
-    sampler = LengthGroupedSampler(lengths, config.data.micro_batch_size, **common)
+    sampler = LengthGroupedSampler(lengths, micro, **common)
     shape = f"dynamic shape: length-grouped batches padded to {len(buckets)} buckets {buckets}"
     return sampler, BucketCollate(train.collate_fn, buckets), shape

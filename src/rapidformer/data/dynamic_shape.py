@@ -6,10 +6,12 @@ compilers and allocator caches. The middle way: a small fixed set of bucket leng
 of 8, geometric from 8 to ``seq_length / 8``, then every ``seq_length / 8``: 11 shapes for 512),
 and samples grouped by length so that a batch's samples fall into one bucket.
 
-Grouping happens inside windows of ``micro_batch x 64`` consecutive samples of each rank's
+Grouping happens inside windows of ``micro_batch x 64`` consecutive samples of the epoch's
 shuffled order: a window is sorted by length, cut into micro-batches, and those are put back in
-a seeded random order. The result is deterministic and keeps the resumable sampler's contract
-(a rank's position is still "micro-batches consumed in this epoch"). A batch holds the same
+a seeded random order; then the data-parallel ranks take their micro-batches of that order as
+:mod:`rapidformer.data.samplers` says, so every layout reads the same micro-batches. The result
+is deterministic and keeps the resumable sampler's contract (a rank's position is still
+"micro-batches consumed in this epoch"). A batch holds the same
 samples whatever the padding, so its loss equals the fixed-shape loss of those samples.
 """
 
@@ -46,8 +48,10 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
 
 
 class LengthGroupedSampler(ResumableDistributedSampler):
-    """A :class:`ResumableDistributedSampler` whose per-rank order groups similar lengths into
-    consecutive micro-batches (see the module docstring)."""
+    """A :class:`ResumableDistributedSampler` whose epoch order groups similar lengths into
+    consecutive micro-batches (see the module docstring). The grouping is done on the whole
+    epoch's order, before the ranks take their shares, so every layout gets the same
+    micro-batches (and the same bucket lengths) as one process."""
 
     def __init__(
         self,
@@ -59,13 +63,19 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(len(lengths), dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle, seed=seed)
+        super().__init__(
+            len(lengths),
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            shuffle=shuffle,
+            seed=seed,
+        )
         self.lengths = np.asarray(lengths)
-        self.micro_batch_size = micro_batch_size
 
-    def _rank_indices(self) -> list[int]:
-        order = np.asarray(super()._rank_indices(), dtype=np.int64)
-        rng = np.random.RandomState((self.seed + 7919 * self.epoch + self.dp_rank) % 2**32)
+    def _epoch_order(self) -> list[int]:
+        order = np.asarray(super()._epoch_order(), dtype=np.int64)
+        rng = np.random.RandomState((self.seed + 7919 * self.epoch) % 2**32)
         window = self.micro_batch_size * WINDOW_MICRO_BATCHES
         grouped: list[int] = []
         for start in range(0, len(order), window):

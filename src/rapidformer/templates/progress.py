@@ -27,14 +27,25 @@ class Progress:
     """Micro-batches this rank has read in the current epoch."""
 
 
-def consumed_here(saved: dict[str, Any], micro: int, dp: int) -> int:
+def consumed_here(saved: dict[str, Any], micro: int, dp: int, grouped: bool = False) -> int:
     """The micro-batches each rank of a run with ``dp`` ranks of micro-batch ``micro`` has
-    consumed in the saved epoch. Ranks take every dp-th sample of the epoch's order, so
-    resuming on another data-parallel size or micro-batch size starts after the same samples
-    if the count divides evenly."""
+    consumed in the saved epoch. Together the ranks have read a prefix of the epoch's order
+    (whole chunks of micro-batch x dp samples), so resuming on another data-parallel size or
+    micro-batch size starts after the same samples if the count divides evenly. (Checkpoints
+    written before micro-batches became contiguous, when ranks took every dp-th sample, also
+    mark a prefix: they resume after the same samples, grouped the new way from there on.)
+    A ``grouped`` (dynamic-shape) order is cut into micro-batches of the saved size: mid-epoch,
+    it resumes on another dp size but not with another micro-batch size."""
     saved_micro = saved.get("config", {}).get("data", {}).get("micro_batch_size", micro)
     saved_dp = saved.get("parallel", {}).get("dp", saved.get("dp", dp))
     samples = saved["consumed"] * saved_micro * saved_dp
+    if grouped and samples and saved_micro != micro:
+        raise CheckpointError(
+            f"--data-iterator dynamic-shape: the checkpoint stopped mid-epoch with "
+            f"--micro-batch-size {saved_micro}, and the length-grouped order of an epoch "
+            f"depends on the micro-batch size, so {micro} would read some samples twice and "
+            f"skip others; resume with --micro-batch-size {saved_micro} (any rank count)"
+        )
     if samples % (micro * dp):
         raise CheckpointError(
             f"the checkpoint's {samples} samples consumed in its epoch do not split into "

@@ -46,7 +46,8 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
         raise CheckpointError(f"{exc}{_differences(path, config)}") from exc
     if main:
         log.info("resumed from %s at step %d", path, saved["step"])
-    consumed = consumed_here(saved, config.data.micro_batch_size, dp)
+    grouped = config.data.data_iterator == "dynamic-shape"
+    consumed = consumed_here(saved, config.data.micro_batch_size, dp, grouped)
     return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
 
 
