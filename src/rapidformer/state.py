@@ -187,6 +187,11 @@ class RoutingControl(Protocol):
         """Hand-written loops: the weight of the micro-batch whose forward ran last."""
         ...
 
+    def count_step(self, state: TrainState, batches: Sequence[Any], step: StepFunctions) -> None:
+        """Before a step's first forward-backward: what must be known of the whole step
+        first (global_aux_loss's routing counts)."""
+        ...
+
     def after_step(self, applied: bool | torch.Tensor = True) -> None:
         """The step ended; ``applied`` is False (or a device 0.0) for a skipped one (nothing
         may move)."""
@@ -205,6 +210,9 @@ class NoRouting:
 
     def set_current_scale(self, value: torch.Tensor) -> None:
         """Nothing to hand over."""
+
+    def count_step(self, state: TrainState, batches: Sequence[Any], step: StepFunctions) -> None:
+        """Nothing to count."""
 
     def after_step(self, applied: bool | torch.Tensor = True) -> None:
         """Nothing to update."""

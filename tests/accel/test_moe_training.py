@@ -22,6 +22,7 @@ from rapidformer import RapidformerConfig, RapidformerEngine, Trainer
 from rapidformer.accel.moe_rules import moe_layer_indices
 from rapidformer.checkpoint import find_checkpoint, save_checkpoint
 from rapidformer.checkpoint.upcycle import load_upcycled
+from rapidformer.engine import validate
 from rapidformer.errors import ConfigError
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.models.moe import MoELayer, moe_layers
@@ -118,6 +119,40 @@ def test_accumulated_micro_batches_give_the_big_batch_router_gradient(aux_only: 
     for name, grad in accumulated.items():
         assert (grad - whole[name]).abs().max() <= TOLERANCE, name
         assert grad.abs().max() > 1e-5, name  # the auxiliary loss did reach it
+
+
+@pytest.mark.parametrize("aux_only", [True, False], ids=["aux-only", "with-lm-loss"])
+def test_global_aux_loss_of_micro_batches_is_aux_loss_of_the_concatenated_batch(
+    aux_only: bool,
+) -> None:
+    # f_i counted over the whole step first: 4 micro-batches of 2 get the router gradient of
+    # aux_loss (E sum_i f_i P_i) taken over the one batch of 8 they form.
+    accumulated = _router_grads(
+        2, aux_only, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1
+    )
+    whole = _router_grads(8, aux_only, moe_aux_loss_coeff=0.1)
+    per_micro_batch = _router_grads(2, aux_only, moe_aux_loss_coeff=0.1)
+    for name, grad in accumulated.items():
+        assert (grad - whole[name]).abs().max() <= TOLERANCE, name
+        assert (grad - per_micro_batch[name]).abs().max() > 100 * TOLERANCE, name  # not aux_loss
+
+
+def test_global_aux_loss_needs_run_step_and_no_pipeline() -> None:
+    engine, state = engine_for(2, 4, moe_router_load_balancing_type="global_aux_loss")
+    batch = batches(1, 2, seed=5)[0]
+    with pytest.raises(RuntimeError, match="counts the routing of the whole step"):
+        engine.backward(gpt_loss(state.model(batch["input_ids"]), batch))
+    config = RapidformerConfig.from_dict(
+        {
+            "num_experts": 4,
+            "num_layers": 2,
+            "moe_router_load_balancing_type": "global_aux_loss",
+            "pipeline_model_parallel_size": 2,
+        }
+    )
+    with pytest.raises(ConfigError, match="a pipeline schedule") as refused:
+        validate(config, world_size=2)
+    assert "--moe-router-load-balancing-type='global_aux_loss'" in str(refused.value)
 
 
 def test_batch_aux_loss_counts_once_per_micro_batch() -> None:

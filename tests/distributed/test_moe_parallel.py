@@ -27,11 +27,13 @@ MOE = {"num_experts": 4}
 EP2 = {**MOE, "expert_model_parallel_size": 2}
 PATTERN = {**MOE, "moe_layer_freq": "[0,1,1,0]"}
 SEQ_Z = {"moe_router_load_balancing_type": "seq_aux_loss", "moe_z_loss_coeff": 1e-3}
+GLOBAL = {"moe_router_load_balancing_type": "global_aux_loss", "moe_z_loss_coeff": 1e-3}
 REFERENCES: dict[str, dict[str, Any]] = {
     # name: the one-process run (on its micro-batches as they are) that layouts must match
     "": MOE,
     "_pattern": PATTERN,
     "_seq_z": {**MOE, **SEQ_Z},
+    "_global": {**MOE, **GLOBAL},
 }
 TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     # name: (layout, the reference it must match)
@@ -52,6 +54,10 @@ TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     "dp2_seq_z": ({**MOE, **SEQ_Z}, "_seq_z"),
     "ep2_seq_z": ({**EP2, **SEQ_Z}, "_seq_z"),
     "pp2_seq_z": ({**MOE, **SEQ_Z, "pipeline_model_parallel_size": 2}, "_seq_z"),
+    # The balance over the whole global batch (refused with pp: see moe.md).
+    "dp2_global": ({**MOE, **GLOBAL}, "_global"),
+    "ep2_global": ({**EP2, **GLOBAL}, "_global"),
+    "ep2_zero3_global": ({**EP2, **GLOBAL, "zero_3_memory_optimization": True}, "_global"),
 }
 RAGGED = {"ep2_ragged": (EP2, "_ragged")}
 RAGGED_STEPS = 5
@@ -69,6 +75,7 @@ FOUR_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     "dp2_ep2_zero2": ({**EP2, "zero_2_memory_optimization": True}, ""),
     "pp2_ep2": ({**EP2, "pipeline_model_parallel_size": 2}, ""),
     "dp2_ep2_seq_z": ({**EP2, **SEQ_Z}, "_seq_z"),
+    "dp2_ep2_global": ({**EP2, **GLOBAL}, "_global"),
 }
 SAVE_AT = 5
 

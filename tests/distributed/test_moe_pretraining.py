@@ -25,7 +25,7 @@ FLAGS = [
     "--eval-interval", "1000", "--log-interval", "1", "--seed", "11",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-z-loss-coeff", "1e-3",
 ]  # fmt: skip
-BALANCING = ["aux_loss", "seq_aux_loss", "expert_bias", "none"]
+BALANCING = ["aux_loss", "seq_aux_loss", "global_aux_loss", "expert_bias", "none"]
 LAYOUTS = {"dp2": [], "ep2": ["--expert-model-parallel-size", "2"]}
 
 

@@ -9,10 +9,20 @@ from the step's assignment counts summed over dp (DeepSeek-V3's auxiliary-loss-f
 balancing): one small all-reduce per step. At log intervals it reads the statistics, reduced
 over dp (every rank routed its own tokens) and pipeline stages (each holds its own layers):
 the only other collectives it adds. Nothing is read to the host inside a step.
+
+With ``global_aux_loss`` it also runs :meth:`MoEControl.count_step` before each step: every
+micro-batch's forward once more, without gradients and with the random state put back after,
+counting each layer's expert choices; one all-reduce over dp then gives every rank the whole
+global batch's counts before the first backward. That is one extra forward per step (about a
+third of a step's compute): the price of a balance measured over the global batch exactly,
+identically on every layout. (Megatron's ``global_aux_loss`` skips the pass and uses the
+running mean of the counts of the micro-batches seen so far; its value then depends on how the
+global batch is split into micro-batches and ranks.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,6 +32,7 @@ from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.models.moe import MoELayer
 from rapidformer.models.moe_router import MoERuntime
+from rapidformer.state import StepFunctions, TrainState, loss_context
 
 
 class MoEControl:
@@ -35,9 +46,31 @@ class MoEControl:
         self.mesh = mesh
         self.bias_rate = bias_rate
         self.steps = 0
+        runtime.dp = mesh.dims.dp
+        self.global_layers = [layer for layer in layers if layer.balancing == "global_aux_loss"]
 
     def begin_step(self, scales: torch.Tensor | None = None) -> None:
         self.runtime.begin_step(scales)
+
+    def count_step(self, state: TrainState, batches: Sequence[Any], step: StepFunctions) -> None:
+        """global_aux_loss: count the step's routing over every micro-batch and dp rank before
+        its first backward (see the module docstring)."""
+        if not self.global_layers:
+            return
+        device = state.device
+        self.runtime.counting = True
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        # The same dropout masks as the training forwards that follow: the RNG is put back.
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), loss_context(state):
+            for batch in batches:
+                step.train_step(batch)
+        ids = [id(layer) for layer in self.global_layers]
+        width = self.global_layers[0].num_experts + 1
+        table = torch.stack(
+            [self.runtime.counted.get(i, torch.zeros(width, device=device)) for i in ids]
+        )
+        table = process_group.all_reduce_sum(table.to(device), self.mesh.group("dp"))
+        self.runtime.set_global_counts(dict(zip(ids, table, strict=True)))
 
     def set_current_scale(self, value: torch.Tensor) -> None:
         """Hand-written loops: the weight the last forward's micro-batch got at backward."""

@@ -117,7 +117,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "e.g. 1e-2",
         )
     if (
-        moe.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss")
+        moe.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "global_aux_loss")
         and moe.moe_aux_loss_coeff != 1e-2
     ):
         yield Violation(
@@ -125,7 +125,17 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             moe.moe_aux_loss_coeff,
             "has no effect with --moe-router-load-balancing-type "
             + moe.moe_router_load_balancing_type,
-            "use aux_loss or seq_aux_loss, or remove --moe-aux-loss-coeff",
+            "use aux_loss, seq_aux_loss or global_aux_loss, or remove --moe-aux-loss-coeff",
+        )
+    if moe.moe_router_load_balancing_type == "global_aux_loss" and dims.pp > 1:
+        yield Violation(
+            "--moe-router-load-balancing-type",
+            "global_aux_loss",
+            f"counts the routing of the whole step before its first backward, which a "
+            f"pipeline schedule (--pipeline-model-parallel-size {dims.pp}) interleaves with "
+            "the forwards",
+            "use aux_loss or seq_aux_loss with pipeline parallelism (both equal on every "
+            "layout), or drop the pipeline",
         )
     if (
         moe.moe_router_load_balancing_type != "expert_bias"

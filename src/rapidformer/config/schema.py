@@ -39,7 +39,7 @@ RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
 TokenDropPolicy = Literal["probs", "position"]
-LoadBalancing = Literal["aux_loss", "seq_aux_loss", "expert_bias", "none"]
+LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "expert_bias", "none"]
 ScoreFunction = Literal["softmax", "sigmoid"]
 
 
@@ -277,10 +277,14 @@ class MoEConfig:
     position (earliest tokens). Needs --moe-expert-capacity-factor."""
     moe_router_load_balancing_type: LoadBalancing = "aux_loss"
     """aux_loss: Switch/GShard loss E x sum_i f_i P_i over the micro-batch; seq_aux_loss: the
-    same per sequence, averaged; expert_bias: no loss, a per-expert bias used only to choose
-    experts, moved every step towards even loads (DeepSeek-V3); none."""
+    same per sequence, averaged; global_aux_loss: over the whole global batch (f_i counted over
+    every micro-batch and data-parallel rank in a no-grad routing pass before each step: one
+    extra forward per step; not with pipeline parallelism); expert_bias: no loss, a per-expert
+    bias used only to choose experts, moved every step towards even loads (DeepSeek-V3);
+    none."""
     moe_aux_loss_coeff: float = 1e-2
-    """Weight of the load-balancing loss (aux_loss / seq_aux_loss) in the objective."""
+    """Weight of the load-balancing loss (aux_loss / seq_aux_loss / global_aux_loss) in the
+    objective."""
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); unset = off."""
     moe_router_score_function: ScoreFunction = "softmax"

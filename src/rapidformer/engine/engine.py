@@ -193,6 +193,7 @@ class RapidformerEngine:
         total = process_group.all_reduce_sum(weights.sum(), dp_group).clamp(min=1e-12)
         scales = weights * (self.dims.dp / total)
         state.moe.begin_step(scales)  # auxiliary losses weigh like their micro-batch's loss
+        state.moe.count_step(state, batches, step)  # global_aux_loss: the step's routing first
         losses = state.forward_backward.run(state, batches, step, scales)
         self.guard.observe_loss(losses)
         loss_sum = process_group.all_reduce_sum((losses * weights).sum(), dp_group)

@@ -44,6 +44,7 @@ from rapidformer.models.moe_router import (
     Routing,
     Score,
     attach_aux_loss,
+    global_balancing_loss,
     in_recompute,
     load_balancing_loss,
     route,
@@ -196,6 +197,8 @@ class MoELayer(nn.Module):
         out = torch.zeros_like(flat, dtype=y.dtype).index_add(0, token, weighted)
         out = out.to(x.dtype).view(batch, length, hidden)
         if not torch.is_grad_enabled():
+            if self.runtime is not None and self.runtime.counting:
+                self.runtime.count(self, routing)  # global_aux_loss's pass before the step
             return out
         # A recompute (activation checkpointing) runs the same operations (checkpoint checks
         # that it saves as many tensors) but counts nothing: the first forward's graph, which
@@ -215,6 +218,15 @@ class MoELayer(nn.Module):
             aux = self.aux_loss_coeff * load_balancing_loss(routing, batch, self.balancing)
             out = attach_aux_loss(out, aux, scale)
             stats.aux.append((scale, aux.detach()))
+        if self.balancing == "global_aux_loss" and self.aux_loss_coeff:
+            assert self.runtime is not None
+            step_counts, step_tokens = self.runtime.global_share(self)
+            aux = self.aux_loss_coeff * global_balancing_loss(routing, step_counts, step_tokens)
+            # Weighted by this micro-batch's share of the step's tokens (times dp: gradient
+            # averaging divides by it), not like the language-model loss.
+            share = AuxScale(self.runtime.dp * flat.shape[0] / step_tokens)
+            out = attach_aux_loss(out, aux, share)
+            stats.aux.append((share, aux.detach()))
         if self.z_loss_coeff:
             z = self.z_loss_coeff * z_loss(logits)
             out = attach_aux_loss(out, z, scale)

@@ -15,6 +15,11 @@ the balancing loss alone).
   assignments that chose expert i (a count: no gradient), ``P_i`` the mean score of expert i
   (softmax probabilities, or sigmoid scores normalised per token);
 * ``seq_aux_loss``: the same per sequence, averaged over the sequences;
+* ``global_aux_loss``: the same over the whole global batch (every micro-batch of the step on
+  every data-parallel rank): ``f_i`` is counted in a routing pass before the step (see
+  :class:`MoERuntime`), and micro-batch m contributes ``E * sum_i f_i * P_i(m)`` with weight
+  ``N_m / N`` (its share of the step's tokens), which sums to ``E * sum_i f_i * P_i`` of the
+  concatenated batch;
 * z-loss (ST-MoE): ``mean_tokens(logsumexp(logits)^2)``, which keeps the logits small.
 
 They are added to the gradients without any loss hook knowing (Megatron's device): the layer
@@ -42,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Balancing = Literal["aux_loss", "seq_aux_loss", "expert_bias", "none"]
+Balancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "expert_bias", "none"]
 Score = Literal["softmax", "sigmoid"]
 
 
@@ -56,11 +61,43 @@ class AuxScale:
 class MoERuntime:
     """What the MoE layers of one model share during a step: the micro-batches' loss scales
     and how many forwards each layer has run in this step (its micro-batch index: every
-    schedule runs a layer's forwards in micro-batch order)."""
+    schedule runs a layer's forwards in micro-batch order).
+
+    For ``global_aux_loss`` also the step's routing counts: while ``counting`` (a no-grad pass
+    over the step's micro-batches that the engine runs first), each layer adds its chosen
+    experts and tokens; the engine sums them over the data-parallel ranks and hands them back
+    with :meth:`set_global_counts`, which the training forwards then read."""
 
     def __init__(self) -> None:
         self.scales: list[AuxScale] = []
         self.calls: dict[int, int] = {}
+        self.counting = False
+        self.counted: dict[int, torch.Tensor] = {}
+        """Layer id -> [E + 1]: assignments per expert, then tokens (the counting pass)."""
+        self.global_counts: dict[int, torch.Tensor] = {}
+        self.dp = 1
+        """The data-parallel size, by which gradient averaging divides every loss's weight."""
+
+    def count(self, layer: nn.Module, routing: Routing) -> None:
+        tokens = torch.tensor([routing.experts.shape[0]], device=routing.counts.device)
+        row = torch.cat([routing.counts, tokens]).float()
+        self.counted[id(layer)] = self.counted.get(id(layer), 0) + row
+
+    def set_global_counts(self, counts: dict[int, torch.Tensor]) -> None:
+        self.counting = False
+        self.counted = {}
+        self.global_counts = counts
+
+    def global_share(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(assignments per expert [E], tokens) of the whole step, for ``layer``."""
+        counts = self.global_counts.get(id(layer))
+        if counts is None:
+            raise RuntimeError(
+                "--moe-router-load-balancing-type global_aux_loss counts the routing of the "
+                "whole step before its first backward: train through engine.run_step() (a "
+                "hand-written loop with engine.backward() cannot), or use aux_loss"
+            )
+        return counts[:-1], counts[-1]
 
     def begin_step(self, scales: torch.Tensor | None = None) -> None:
         """A new optimizer step; ``scales`` (one per micro-batch) when known before it runs."""
@@ -157,6 +194,16 @@ def route(
     weights = chosen / chosen.sum(-1, keepdim=True)
     scores = raw if score == "softmax" else raw / raw.sum(-1, keepdim=True)
     return Routing(experts=experts, weights=weights, scores=scores, logits=logits)
+
+
+def global_balancing_loss(
+    routing: Routing, step_counts: torch.Tensor, step_tokens: torch.Tensor
+) -> torch.Tensor:
+    """``E * sum_i f_i * P_i`` with ``f_i`` from the whole step's counts and ``P_i`` this
+    micro-batch's mean score (weight it by the micro-batch's share of the step's tokens)."""
+    experts = routing.scores.shape[-1]
+    fraction = step_counts / (step_tokens * routing.experts.shape[-1])  # no gradient
+    return experts * (fraction * routing.scores.mean(0)).sum()
 
 
 def load_balancing_loss(routing: Routing, sequences: int, kind: Balancing) -> torch.Tensor:
