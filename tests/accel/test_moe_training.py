@@ -140,6 +140,11 @@ def test_global_aux_loss_of_micro_batches_is_aux_loss_of_the_concatenated_batch(
 def test_global_aux_loss_needs_run_step_and_no_pipeline() -> None:
     engine, state = engine_for(2, 4, moe_router_load_balancing_type="global_aux_loss")
     batch = batches(1, 2, seed=5)[0]
+    step = StepFunctions(
+        train_step=lambda b: gpt_loss(state.model(b["input_ids"]), b), weight=lm_tokens
+    )
+    engine.run_step([batch, batch], step)  # counted first: trains
+    # A hand-written step gets no counting pass, and must not reuse the last step's counts.
     with pytest.raises(RuntimeError, match="counts the routing of the whole step"):
         engine.backward(gpt_loss(state.model(batch["input_ids"]), batch))
     config = RapidformerConfig.from_dict(

@@ -100,8 +100,11 @@ class MoERuntime:
         return counts[:-1], counts[-1]
 
     def begin_step(self, scales: torch.Tensor | None = None) -> None:
-        """A new optimizer step; ``scales`` (one per micro-batch) when known before it runs."""
+        """A new optimizer step; ``scales`` (one per micro-batch) when known before it runs.
+        The last step's global counts are dropped: a step whose counting pass did not run
+        must not train on them."""
         self.calls.clear()
+        self.global_counts = {}
         values = [] if scales is None else list(scales.detach())
         self.scales = [AuxScale(v) for v in values]
 
