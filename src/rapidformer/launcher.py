@@ -114,7 +114,10 @@ def _close_process_group() -> None:
     process exits next, so it is destroyed here (quietly: peers may be gone already)."""
     import torch.distributed as dist
 
+    from rapidformer.distributed.process_group import retire_groups
+
     if dist.is_available() and dist.is_initialized():
+        retire_groups()
         dist.destroy_process_group()
 
 

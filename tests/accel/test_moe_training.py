@@ -9,6 +9,7 @@ Numbers compared: router gradients of 4 accumulated micro-batches against one bi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -94,11 +95,13 @@ class _Captured:
         raise NotImplementedError
 
 
-def _router_grads(micro: int, aux_only: bool, **moe: Any) -> dict[str, torch.Tensor]:
+def _router_grads(
+    micro: int, aux_only: bool, data: list[dict[str, torch.Tensor]] | None = None, **moe: Any
+) -> dict[str, torch.Tensor]:
     engine, state = engine_for(micro, 8, **moe)
     captured = _Captured()
     state.stepper = captured
-    data = [b for b in batches(4, 2, seed=11)]
+    data = data or [b for b in batches(4, 2, seed=11)]
     merged = [{k: torch.cat([b[k] for b in data]) for k in data[0]}] if micro == 8 else data
 
     def loss(b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -125,16 +128,49 @@ def test_accumulated_micro_batches_give_the_big_batch_router_gradient(aux_only: 
 def test_global_aux_loss_of_micro_batches_is_aux_loss_of_the_concatenated_batch(
     aux_only: bool,
 ) -> None:
-    # f_i counted over the whole step first: 4 micro-batches of 2 get the router gradient of
-    # aux_loss (E sum_i f_i P_i) taken over the one batch of 8 they form.
+    # f_i counted over the whole step first: micro-batches of 1, 2, 2 and 3 sequences of
+    # uneven lengths (so a micro-batch's share of the tokens the router sees differs from its
+    # share of the loss's tokens) get the router gradient of aux_loss (E sum_i f_i P_i) taken
+    # over the one batch of 8 they form.
+    data = MarkovLMDataset(8, vocab_size=64, min_length=4, max_length=16, seed=11)
+    samples = [data[i] for i in range(8)]
+    uneven = [pad_collate(samples[a:b], 16) for a, b in ((0, 1), (1, 3), (3, 5), (5, 8))]
+    options: dict[str, Any] = {"moe_aux_loss_coeff": 0.1}
     accumulated = _router_grads(
-        2, aux_only, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1
+        2, aux_only, uneven, moe_router_load_balancing_type="global_aux_loss", **options
     )
-    whole = _router_grads(8, aux_only, moe_aux_loss_coeff=0.1)
-    per_micro_batch = _router_grads(2, aux_only, moe_aux_loss_coeff=0.1)
+    whole = _router_grads(8, aux_only, uneven, **options)
+    per_micro_batch = _router_grads(2, aux_only, uneven, **options)
+    assert set(accumulated) == {f"blocks.{i}.ffn.router.gate.weight" for i in range(2)}
     for name, grad in accumulated.items():
         assert (grad - whole[name]).abs().max() <= TOLERANCE, name
         assert (grad - per_micro_batch[name]).abs().max() > 100 * TOLERANCE, name  # not aux_loss
+
+
+def test_global_aux_loss_counting_pass_leaves_the_dropout_masks_alone() -> None:
+    # The pass runs every forward once more: with the random state put back, the training
+    # forwards draw the masks they would draw without it (the loss is the LM loss alone).
+    first = {}
+    for balancing in ("global_aux_loss", "none"):
+        config = RapidformerConfig.from_dict(
+            {
+                "micro_batch_size": 2,
+                "global_batch_size": 4,
+                "lr": 1e-3,
+                "seed": 3,
+                "num_experts": 4,
+                "moe_router_load_balancing_type": balancing,
+            }
+        )
+        engine = RapidformerEngine(config, builds_optimizer=True)
+        model = GPTModel.build(dataclasses.replace(GPT, dropout=0.3), "meta", seed=3)
+        state = engine.compose(model)
+        step = StepFunctions(
+            train_step=lambda b, s=state: gpt_loss(s.model(b["input_ids"]), b), weight=lm_tokens
+        )
+        torch.manual_seed(0)  # the masks' random state, the same for both runs
+        first[balancing] = engine.run_step(batches(2, 2, seed=4), step).loss
+    assert first["global_aux_loss"] == first["none"]
 
 
 def test_global_aux_loss_needs_run_step_and_no_pipeline() -> None:

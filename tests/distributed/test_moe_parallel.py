@@ -58,6 +58,8 @@ TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     "dp2_global": ({**MOE, **GLOBAL}, "_global"),
     "ep2_global": ({**EP2, **GLOBAL}, "_global"),
     "ep2_zero3_global": ({**EP2, **GLOBAL, "zero_3_memory_optimization": True}, "_global"),
+    "ep2_checkpointing_global": ({**EP2, **GLOBAL, "checkpoint_activations": True}, "_global"),
+    "tp2_global": ({**MOE, **GLOBAL, "tensor_model_parallel_size": 2}, "_global"),
 }
 RAGGED = {"ep2_ragged": (EP2, "_ragged")}
 RAGGED_STEPS = 5

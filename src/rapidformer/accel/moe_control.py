@@ -67,7 +67,10 @@ class MoEControl:
         ids = [id(layer) for layer in self.global_layers]
         width = self.global_layers[0].num_experts + 1
         table = torch.stack(
-            [self.runtime.counted.get(i, torch.zeros(width, device=device)) for i in ids]
+            [
+                self.runtime.counted.get(i, torch.zeros(width, dtype=torch.int64, device=device))
+                for i in ids
+            ]
         )
         table = process_group.all_reduce_sum(table.to(device), self.mesh.group("dp"))
         self.runtime.set_global_counts(dict(zip(ids, table, strict=True)))

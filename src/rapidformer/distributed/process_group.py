@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,12 +101,13 @@ def destroy_process_group() -> None:
         return
     if dist.get_world_size() > 1 and not _broken:
         dist.barrier()
-    _retire_groups()
+    retire_groups()
     dist.destroy_process_group()
     _broken = False
 
 
-# Groups this process has left, kept until it joins a new one. A gloo group's destructor joins
+# Groups this process has left, kept while anything else still holds them. A gloo group's
+# destructor joins
 # its worker threads, and a worker may still be freeing a finished collective's tensors, for
 # which it takes the GIL. Dropped through the Python object, the destructor lets go of the GIL
 # first; dropped by C++ (the Reducer inside a DDP model the user frees after close()), it joins
@@ -114,8 +116,13 @@ def destroy_process_group() -> None:
 _retired: list[dist.ProcessGroup] = []
 
 
-def _retire_groups() -> None:
-    _retired.clear()  # the previous group's workers went idle long ago
+def retire_groups() -> None:
+    """Call before ``dist.destroy_process_group()``: keep the job's groups (see above)."""
+    # Groups retired earlier that nothing else holds any more are freed now, through Python
+    # (their workers went idle long ago); the others stay (a model of theirs is still alive).
+    # sys.getrefcount(_retired[i]) counts the list's reference and the call's argument.
+    held = [i for i in range(len(_retired)) if sys.getrefcount(_retired[i]) > 2]
+    _retired[:] = [_retired[i] for i in held]
     _retired.extend(dist.distributed_c10d._world.pg_map)
 
 

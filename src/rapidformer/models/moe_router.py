@@ -79,8 +79,9 @@ class MoERuntime:
         """The data-parallel size, by which gradient averaging divides every loss's weight."""
 
     def count(self, layer: nn.Module, routing: Routing) -> None:
-        tokens = torch.tensor([routing.experts.shape[0]], device=routing.counts.device)
-        row = torch.cat([routing.counts, tokens]).float()
+        # int64 (exact at any batch size); the token count is made on the device, not copied.
+        tokens = routing.counts.new_full((1,), routing.experts.shape[0])
+        row = torch.cat([routing.counts, tokens])
         self.counted[id(layer)] = self.counted.get(id(layer), 0) + row
 
     def set_global_counts(self, counts: dict[int, torch.Tensor]) -> None:
@@ -97,7 +98,7 @@ class MoERuntime:
                 "whole step before its first backward: train through engine.run_step() (a "
                 "hand-written loop with engine.backward() cannot), or use aux_loss"
             )
-        return counts[:-1], counts[-1]
+        return counts[:-1].float(), counts[-1].float()
 
     def begin_step(self, scales: torch.Tensor | None = None) -> None:
         """A new optimizer step; ``scales`` (one per micro-batch) when known before it runs.

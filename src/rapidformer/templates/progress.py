@@ -44,7 +44,8 @@ def consumed_here(saved: dict[str, Any], micro: int, dp: int, grouped: bool = Fa
             f"--data-iterator dynamic-shape: the checkpoint stopped mid-epoch with "
             f"--micro-batch-size {saved_micro}, and the length-grouped order of an epoch "
             f"depends on the micro-batch size, so {micro} would read some samples twice and "
-            f"skip others; resume with --micro-batch-size {saved_micro} (any rank count)"
+            f"skip others; resume with --micro-batch-size {saved_micro} (the rank count may "
+            "change)"
         )
     if samples % (micro * dp):
         raise CheckpointError(

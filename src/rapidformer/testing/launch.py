@@ -10,6 +10,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rapidformer.distributed.process_group import retire_groups
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -34,6 +36,7 @@ def _worker(
     )
     fn(*args)
     if dist.is_initialized():
+        retire_groups()  # freed through Python, never inside a DDP model's destructor
         dist.destroy_process_group()
     # Rank 0 hosts the rendezvous store: if it exits while another rank is still tearing its
     # process group down, that rank's store client aborts the process ("terminate called
