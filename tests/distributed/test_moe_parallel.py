@@ -34,6 +34,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "_pattern": PATTERN,
     "_seq_z": {**MOE, **SEQ_Z},
     "_global": {**MOE, **GLOBAL},
+    "_capacity": {**MOE, "moe_expert_capacity_factor": 1.0},
 }
 TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     # name: (layout, the reference it must match)
@@ -60,6 +61,8 @@ TWO_RANKS: dict[str, tuple[dict[str, Any], str]] = {
     "ep2_zero3_global": ({**EP2, **GLOBAL, "zero_3_memory_optimization": True}, "_global"),
     "ep2_checkpointing_global": ({**EP2, **GLOBAL, "checkpoint_activations": True}, "_global"),
     "tp2_global": ({**MOE, **GLOBAL, "tensor_model_parallel_size": 2}, "_global"),
+    # A capacity drops assignments: the dropped fraction too is the one process's.
+    "ep2_capacity": ({**EP2, "moe_expert_capacity_factor": 1.0}, "_capacity"),
 }
 RAGGED = {"ep2_ragged": (EP2, "_ragged")}
 RAGGED_STEPS = 5
@@ -139,6 +142,7 @@ def _check(runs: dict[str, Any], name: str, reference_name: str) -> None:
         got, expected = run["routing"], reference["routing"]
         assert abs(got["moe_aux_loss"] - expected["moe_aux_loss"]) <= tolerance, (name, rank)
         assert got["moe_load_imbalance"] == pytest.approx(expected["moe_load_imbalance"])
+        assert got["moe_dropped_fraction"] == pytest.approx(expected["moe_dropped_fraction"])
 
 
 @pytest.mark.distributed
@@ -197,3 +201,9 @@ def test_zero2_shards_experts_over_the_expert_data_parallel_ranks(runs: dict[str
         assert (param, grad, moment) == (whole // 4,) * 3
     plan = " ".join(runs["dp2_ep2_zero2"][0]["plan"])
     assert "expert-parallel weights sharded over the 2 edp ranks" in plan
+
+
+@pytest.mark.distributed
+def test_the_capacity_reference_drops_assignments(runs: dict[str, Any]) -> None:
+    # Else ep2_capacity's dropped-fraction comparison would compare zeros.
+    assert runs["reference_capacity"][0]["routing"]["moe_dropped_fraction"] > 0.01
