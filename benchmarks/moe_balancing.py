@@ -7,7 +7,8 @@ micro-batch 4 x 4 accumulated = global batch 16 (so per-micro-batch and global b
 300 steps, one process, the same seed and data for every type. Reported per type: the final
 training loss (mean of the last 5 logged intervals of 10 steps), the held-out loss at the end,
 the expert-load imbalance (worst layer's max / mean expert load) over the last 50 steps, and
-the median samples/s relative to aux_loss (global_aux_loss adds a no-grad routing pass).
+the median samples/s relative to aux_loss (global_aux_loss adds a no-grad routing pass), after
+a 20-step warm-up run.
 
     .venv/bin/python benchmarks/moe_balancing.py          # writes the result files
     .venv/bin/python benchmarks/moe_balancing.py --quick  # 20 steps, writes nothing
@@ -65,6 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rf-moe-balancing-") as tmp:
         out = Path(tmp)
         data = build_pretraining_data(out / "data", "GPT2BPETokenizer", synthetic_documents(2000))
+        train(data, "aux_loss", 20, out / "warm-up")  # the first run in a process pays warm-up
         rows = [train(data, balancing, steps, out) for balancing in TYPES]
     base = rows[0]["samples_per_s"]
     for row in rows:
@@ -80,7 +82,10 @@ def main() -> None:
         f"seq 64), 2 layers, hidden 64, 8 experts (FFN 128), top-2, dropless; micro-batch 4 x 4 "
         f"accumulated = global batch 16; {steps} steps, one process, the same seed and data. "
         "Loss: mean of the last 5 logged intervals of 10 steps; imbalance: worst layer's max / "
-        "mean expert load over the same steps (1 = even).",
+        "mean expert load over the same steps (1 = even). Samples/s is one run each on a shared "
+        "2-core VM and noisy (global_aux_loss measured 0.52-0.87x aux_loss over four runs of "
+        "this script); what is certain is the work: global_aux_loss adds one no-grad forward "
+        "per micro-batch.",
         "",
         "| balancing | final loss | eval loss | load imbalance | samples/s vs aux_loss |",
         "|---|---|---|---|---|",
