@@ -21,7 +21,7 @@ from rapidformer.engine import RapidformerEngine
 
 PACKAGE = Path(rapidformer.__file__).parent
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
-HOST_ONLY = {"data/samplers.py:_rank_indices"}
+HOST_ONLY = {"data/samplers.py:_epoch_order"}
 """Reads of tensors that live on the host on any machine (the sampler's CPU permutation at the
 start of each epoch): not a device sync."""
 

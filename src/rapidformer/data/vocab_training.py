@@ -104,12 +104,13 @@ def learn_wordpiece(
     words: Iterable[str], alphabet: Iterable[str], specials: list[str], vocab_size: int
 ) -> dict[str, int]:
     """A WordPiece vocabulary over pre-tokenized ``words``: the specials; every character of
-    the alphabet and of the words, alone and as a ``##`` continuation, sorted; then the merged
-    pieces in merge order."""
+    the alphabet and of the words, sorted; the ``##`` continuations of the characters the words
+    continue with, sorted; then the merged pieces in merge order."""
     counts = Counter((word[0], *(CONTINUATION + c for c in word[1:])) for word in words if word)
-    characters = set(alphabet) | {c for word in counts for c in word[0]}
-    characters |= {c[len(CONTINUATION) :] for word in counts for c in word[1:]}
-    symbols = sorted(characters) + sorted(CONTINUATION + c for c in characters)
+    continuing = {c for word in counts for c in word[1:]}
+    characters = set(alphabet) | {word[0] for word in counts}
+    characters |= {c[len(CONTINUATION) :] for c in continuing}
+    symbols = sorted(characters) + sorted(continuing)
     vocab = _numbered([*specials, *symbols])
     table = _Words(counts)
     while len(vocab) < vocab_size and (pair := table.best()) is not None:
