@@ -109,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
         config = parse_args(args)
+        if config.planning.dry_run:
+            return _dry_run(config)
         from rapidformer.distributed import process_group
 
         trainer = checked_trainer_class(config)(config)
@@ -126,6 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report(exc, debug, config_script(args))
     if trainer.engine.is_main_process:
         log.info("final metrics: %s", json.dumps(metrics))
+    return 0
+
+
+def _dry_run(config: RapidformerConfig) -> int:
+    """Print the dry run's report (rank 0 only under torchrun: every rank computes the same)."""
+    from rapidformer.dryrun.command import REPORT_FILE, run_dry_run
+
+    report = run_dry_run(config)
+    if LaunchEnv.read().rank == 0:
+        print(report.text())
+        if config.checkpoint.save is not None:
+            print(f"written to {Path(config.checkpoint.save) / REPORT_FILE}")
     return 0
 
 

@@ -12,6 +12,7 @@ from rapidformer.config.schema import (
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
+    PlanningConfig,
     PrecisionConfig,
     TrainingConfig,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "PlanningConfig",
     "PrecisionConfig",
     "RapidformerConfig",
     "TrainingConfig",

@@ -23,6 +23,7 @@ from rapidformer.config.schema import (
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
+    PlanningConfig,
     PrecisionConfig,
     TrainingConfig,
 )
@@ -48,6 +49,7 @@ class RapidformerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
 
     def to_dict(self) -> dict[str, dict[str, object]]:
         """Nested plain dict ``{section: {field: value}}``; :meth:`from_dict` inverts it."""

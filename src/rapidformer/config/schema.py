@@ -366,6 +366,23 @@ class LoggingConfig:
     by default the command prints one message naming the input and the fix."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanningConfig:
+    """Know before you run: a dry run of the same flags."""
+
+    dry_run: bool = False
+    """Validate the flags, compose every rank on the meta device over a fake process group and
+    print the plan and each rank's memory (model state as the run's memory report counts it,
+    buffers, activations), without allocating model memory, starting a process group or
+    opening data files; with --save, also written to SAVE/dry_run.json."""
+    dry_run_world_size: int | None = None
+    """Ranks the dry run simulates; default: torchrun's WORLD_SIZE, else 1."""
+    device_memory: str | None = None
+    """Memory of one device for the dry run's fit check (e.g. 80GB, 24GiB; binary units); default:
+    the GPU's own where there is one. A rank that does not fit gets the switches that would make
+    it fit, with their estimates."""
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -378,6 +395,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "planning": PlanningConfig,
 }
 """Section name in :class:`~rapidformer.config.root.RapidformerConfig` -> its dataclass, in
 documentation order."""

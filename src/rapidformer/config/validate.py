@@ -251,6 +251,23 @@ def _not_available(config: RapidformerConfig, context: RunContext) -> Iterator[V
         )
 
 
+def _planning(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    planning = config.planning
+    if planning.dry_run:
+        return
+    for flag, value in (
+        ("--dry-run-world-size", planning.dry_run_world_size),
+        ("--device-memory", planning.device_memory),
+    ):
+        if value is not None:
+            yield Violation(
+                flag,
+                value,
+                "only a dry run reads it; this run would ignore it",
+                "add --dry-run to see the plan and memory, or drop the flag",
+            )
+
+
 GENERAL_RULES: tuple[Rule, ...] = (
     _positive_integers,
     _choices,
@@ -262,5 +279,6 @@ GENERAL_RULES: tuple[Rule, ...] = (
     _model_shape,
     _precision,
     _not_available,
+    _planning,
 )
 """The rules that concern no single acceleration."""

@@ -130,6 +130,14 @@ class PretrainFamily(ABC):
     def weight(self, batch: Any) -> int | torch.Tensor:
         """The units :meth:`loss` averages over, so accumulation over micro-batches is exact."""
 
+    def example_batch(self, micro_batch: int, seq_length: int, device: str) -> dict[str, Any]:
+        """A batch of ``micro_batch`` samples of ``seq_length`` tokens as the collate function
+        makes them, its values empty (the dry run passes one through the model on the meta
+        device to count its activations)."""
+        raise NotImplementedError(
+            f"the {self.name} family has no example_batch(), which --dry-run needs"
+        )
+
     def statistics(self, outputs: Any, batch: Any) -> dict[str, Any]:
         """Sums and counts :meth:`metrics` needs from one evaluated batch (none by default)."""
         return {}

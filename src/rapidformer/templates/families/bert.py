@@ -71,6 +71,18 @@ class BertFamily(PretrainFamily):
         # Under tensor parallelism the MLM loss is a replicated DTensor (vocab-parallel).
         return local_loss(mlm_loss) + F.cross_entropy(sop_logits.float(), batch["sop_label"])
 
+    def example_batch(self, micro_batch: int, seq_length: int, device: str) -> dict[str, Any]:
+        def tokens() -> torch.Tensor:
+            return torch.zeros(micro_batch, seq_length, dtype=torch.long, device=device)
+
+        return {
+            "input_ids": tokens(),
+            "token_type_ids": tokens(),
+            "attention_mask": tokens(),
+            "mlm_labels": tokens(),
+            "sop_label": torch.zeros(micro_batch, dtype=torch.long, device=device),
+        }
+
     def weight(self, batch: Any) -> int | torch.Tensor:
         """The masked tokens: the MLM term dominates; the sentence-order term rides along per
         sample."""

@@ -63,6 +63,10 @@ class GPTFamily(PretrainFamily):
             return outputs
         return F.cross_entropy(outputs.float().flatten(0, 1), batch["labels"].flatten())
 
+    def example_batch(self, micro_batch: int, seq_length: int, device: str) -> dict[str, Any]:
+        tokens = torch.zeros(micro_batch, seq_length, dtype=torch.long, device=device)
+        return {"input_ids": tokens, "labels": tokens.clone()}
+
     def weight(self, batch: Any) -> int | torch.Tensor:
         """Every predicted token."""
         return int(batch["labels"].numel())

@@ -1,0 +1,54 @@
+"""``rapidformer ... --dry-run``: the command's side of a dry run (world size, device size,
+printing and saving)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rapidformer.config.env import LaunchEnv
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.dryrun import DryRunReport, dry_run
+from rapidformer.dryrun.fit import parse_memory
+from rapidformer.dryrun.workload import pretraining_workload
+
+REPORT_FILE = "dry_run.json"
+
+
+def device_memory(config: RapidformerConfig) -> tuple[int | None, str]:
+    """(bytes, where the figure comes from): --device-memory, else this machine's GPU."""
+    text = config.planning.device_memory
+    if text is not None:
+        return parse_memory(text), f"--device-memory {text}"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return int(props.total_memory), f"detected: {props.name}"
+    return None, "not given"
+
+
+def run_dry_run(config: RapidformerConfig) -> DryRunReport:
+    """The dry run the flags ask for: printed, and written to SAVE/dry_run.json with --save."""
+    from rapidformer.templates.pretrainer import Pretrainer
+
+    planning = config.planning
+    world_size = planning.dry_run_world_size or LaunchEnv.read().world_size
+    memory, source = device_memory(config)  # a bad --device-memory fails before any work
+    warnings: list[str] = []
+    work, model = pretraining_workload(config, warnings)
+    report = dry_run(
+        config,
+        world_size,
+        work,
+        model,
+        device_memory=memory,
+        device_source=source,
+        extra_violations=Pretrainer.config_violations(config),
+        warnings=warnings,
+    )
+    if config.checkpoint.save is not None:
+        path = Path(config.checkpoint.save) / REPORT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    return report

@@ -1,0 +1,128 @@
+"""One rank of a run, composed on the meta device over a fake process group.
+
+A rank's model state is decided by the same code a real run executes: :func:`compose_on_meta`
+runs the canonical order (:mod:`rapidformer.engine.order`) on a model built on the meta device,
+inside torch's ``fake`` process group (collectives return at once and move nothing), and stops
+short of the steps that would allocate or need data: materialisation, DDP's wrapping (it
+broadcasts real values) and the data loaders. The parameters each rank holds, its gradients and
+its optimizer's partition are then those of the real run, and :meth:`Stepper.expected_bytes`
+(the memory report a real run logs at start) counts them, to the byte.
+
+Steps that change neither what a rank holds nor its activations, and cannot run on the meta
+device, are left out and named in the report: compile (it would trace on meta tensors), ONNX
+Runtime, fp8's float8 layers (estimated as bf16) and Liger's kernels. The DeepSpeed backend is
+estimated with the native layout of the same ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rapidformer.accel.checkpointing import apply_activation_checkpointing
+from rapidformer.accel.compile import apply_compile
+from rapidformer.accel.data import apply_data
+from rapidformer.accel.data_parallel import apply_data_parallel
+from rapidformer.accel.eager import EagerForwardBackward
+from rapidformer.accel.fp8 import apply_fp8
+from rapidformer.accel.liger import apply_liger_kernel
+from rapidformer.accel.lm_loss import apply_fused_lm_loss
+from rapidformer.accel.materialize import apply_materialize
+from rapidformer.accel.onnxruntime import apply_onnxruntime
+from rapidformer.accel.pipeline import apply_pipeline
+from rapidformer.accel.stepper import TorchStepper
+from rapidformer.accel.tensor_parallel import apply_tensor_parallel
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed.dims import ParallelDims
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.engine.order import NATIVE_ORDER, Apply
+from rapidformer.state import TrainState
+
+NOT_SIMULATED: dict[Apply, str] = {
+    apply_materialize: "nothing is allocated",
+    apply_data_parallel: "DDP would broadcast real values; its gradient buckets are counted",
+    apply_data: "no data is read",
+    apply_compile: "compile changes speed, not what a rank holds (not traced)",
+    apply_onnxruntime: "ONNX Runtime's graphs are not built",
+    apply_fp8: "float8 layers are estimated as bf16",
+    apply_liger_kernel: "Liger's kernels are not swapped in",
+}
+"""Steps of the native order a dry run skips, and why."""
+
+ACTIVATION_STEPS: tuple[Apply, ...] = (
+    apply_pipeline,
+    apply_activation_checkpointing,
+    apply_fused_lm_loss,
+    apply_tensor_parallel,
+)
+"""The steps that change what one micro-batch's forward and backward keep on a rank (the
+activation pass runs the model unsharded: FSDP's gathered parameters are counted apart). MoE
+layers are left dense: their routing depends on the values, which the meta device has not."""
+
+ModelBuilder = Callable[[], nn.Module]
+"""Builds the whole model on the meta device."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """torch's ``fake`` process group as ``rank`` of ``world_size`` (none for one rank): no
+    network, no peers, collectives return at once."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a dry run simulates its own ranks and needs a process without a process group"
+        )
+    if world_size > 1:
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def simulated_config(config: RapidformerConfig) -> RapidformerConfig:
+    """The config the simulation composes: the native backend for DeepSpeed's ZeRO stage."""
+    if config.memory.zero_backend == "deepspeed":
+        return config.replace(zero_backend="native")
+    return config
+
+
+@dataclass
+class ComposedRank:
+    """A rank's state after the simulated order, and what the order applied."""
+
+    state: TrainState
+    skipped: list[str]
+
+
+def compose_on_meta(
+    config: RapidformerConfig,
+    dims: ParallelDims,
+    build: ModelBuilder,
+    steps: tuple[Apply, ...] = NATIVE_ORDER,
+) -> ComposedRank:
+    """Run ``steps`` (less :data:`NOT_SIMULATED`) for ``dims.rank`` on a meta-device model;
+    call inside :func:`fake_world`."""
+    mesh = ParallelMesh.build(dims, "cpu")
+    config = simulated_config(config)
+    state = TrainState(
+        model=build(),
+        device=torch.device("cpu"),
+        mesh=mesh,
+        forward_backward=EagerForwardBackward(),
+        stepper=TorchStepper(config.training.clip_grad),
+    )
+    skipped = []
+    for apply in steps:
+        if apply in NOT_SIMULATED:
+            skipped.append(f"{apply.__name__}: {NOT_SIMULATED[apply]}")
+            continue
+        state = apply(state, config, mesh)
+    if not state.model_parts:
+        state.model_parts = [state.model]
+    return ComposedRank(state, skipped)

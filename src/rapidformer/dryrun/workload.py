@@ -1,0 +1,76 @@
+"""The model and micro-batch a dry run measures, from the flags (``--task pretraining``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.splits import parse_data_path
+from rapidformer.dryrun.estimate import Workload
+from rapidformer.errors import ConfigError
+from rapidformer.templates.families import family_for
+
+DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
+"""GPT-2's and BERT's vocabularies: the sizes assumed when ``--vocab-file`` is not there."""
+
+
+def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tuple[Workload, str]:
+    """The built-in model the flags describe and an empty micro-batch of ``--seq-length``
+    tokens; data paths are only checked for existence (a warning each)."""
+    if config.training.task != "pretraining" or config.training.user_script is not None:
+        raise ConfigError.single(
+            "--dry-run",
+            True,
+            "a dry run measures the built-in models of --task pretraining (GPT, BERT); "
+            "fine-tuning tasks and --user-script models are not built without their weights "
+            "or code",
+            "drop --dry-run, or estimate the same shape with --task pretraining",
+        )
+    data, model = config.data, config.model
+    assert data.tokenizer_type is not None and model.seq_length is not None
+    family = family_for(data.tokenizer_type)
+    vocab_size = _vocab_size(config, family.name, warnings)
+    for path in _data_files(config):
+        if not path.exists():
+            warnings.append(f"--data-path: {path} does not exist (a real run would stop there)")
+
+    def build():  # type: ignore[no-untyped-def]
+        return family.build_model(config, vocab_size, device="meta")
+
+    work = Workload(
+        build=build,
+        batch=family.example_batch(data.micro_batch_size, model.seq_length, "meta"),
+        inputs=family.loss_inputs if config.memory.fused_lm_loss else family.inputs,
+        loss=family.loss,
+        hidden_size=model.hidden_size or 0,
+        seq_length=model.seq_length,
+    )
+    parameters = sum(p.numel() for p in build().parameters())
+    description = (
+        f"built-in {family.name.upper()}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_attention_heads} heads, seq {model.seq_length}, vocab {vocab_size}, "
+        f"{parameters:,} parameters"
+    )
+    return work, description
+
+
+def _vocab_size(config: RapidformerConfig, family: str, warnings: list[str]) -> int:
+    data = config.data
+    assert data.tokenizer_type is not None and data.vocab_file is not None
+    if Path(data.vocab_file).is_file():
+        from rapidformer.data.tokenizers import build_tokenizer
+
+        return build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file).vocab_size
+    size = DEFAULT_VOCAB[family]
+    warnings.append(
+        f"--vocab-file: {data.vocab_file} does not exist; assuming {family.upper()}'s "
+        f"vocabulary of {size} tokens"
+    )
+    return size
+
+
+def _data_files(config: RapidformerConfig) -> list[Path]:
+    if config.data.data_path is None:
+        return []
+    prefixes = [prefix for _, prefix in parse_data_path(config.data.data_path)]
+    return [Path(prefix + suffix) for prefix in prefixes for suffix in (".bin", ".idx")]

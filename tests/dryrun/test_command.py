@@ -1,0 +1,171 @@
+"""``rapidformer ... --dry-run``: the command users run, at the size they ask about.
+
+GPT-1.3B (PAI's shape) on 16 simulated ranks: in seconds, in a process that never holds the
+model (its peak resident set stays far below the model's 5 GiB of fp32 parameters), without
+data files, a process group or another process, and with the per-rank model state that the
+meta-device cut of ``benchmarks/memory_3d.py`` counts. With a 24 GB device and no parallelism
+it does not fit, and the switches it lists are each a dry run of their own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rapidformer import parse_args
+from rapidformer.cli import main
+from rapidformer.dryrun.command import run_dry_run
+from rapidformer.models.gpt import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT_1_3B = [
+    "--task", "pretraining", "--num-layers", "24", "--hidden-size", "2048",
+    "--num-attention-heads", "32", "--seq-length", "1024", "--tokenizer-type",
+    "GPT2BPETokenizer", "--vocab-file", "no/vocab.json", "--merge-file", "no/merges.txt",
+    "--data-path", "no/corpus", "--micro-batch-size", "1", "--lr", "1e-4",
+    "--train-iters", "100", "--dry-run",
+]  # fmt: skip
+GIB = 2**30
+
+
+def _command(*flags: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``rapidformer`` in its own process (no MASTER_ADDR: no rendezvous is possible), and the
+    seconds it took; it prints its own peak resident set last."""
+    code = (
+        "import resource, sys\n"
+        "from rapidformer.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, *flags],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )  # fmt: skip
+    return done, time.perf_counter() - started
+
+
+def _memory_3d() -> Any:
+    spec = importlib.util.spec_from_file_location("memory_3d", ROOT / "benchmarks/memory_3d.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+@pytest.mark.slow
+def test_gpt_1_3b_on_4x4_is_planned_in_seconds_without_memory_data_or_peers(
+    tmp_path: Path,
+) -> None:
+    layout = ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4"]
+    done, seconds = _command(
+        *GPT_1_3B, *layout, "--global-batch-size", "4", "--precision", "fp16",
+        "--dry-run-world-size", "16", "--save", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert seconds < 60, seconds  # ~5 s here; the bound leaves room for a busy CI machine
+    peak_gib = int(done.stdout.split("PEAK_RSS_KIB")[1]) * 1024 / GIB
+    assert peak_gib < 2.0, peak_gib  # the model's fp32 parameters alone are 4.9 GiB
+    assert "dp 1 x tp 4 x pp 4" in done.stdout and "1F1B" in done.stdout
+    assert "does not exist (a real run would stop there)" in done.stdout  # no data was read
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert [rank["rank"] for rank in report["ranks"]] == list(range(16))
+
+    # The model state of every rank is what memory_3d's cut of the same model holds: 16 bytes
+    # per parameter (fp16 mixed-precision Adam there; fp32 weights, gradients and two Adam
+    # moments here: the same 16).
+    memory_3d = _memory_3d()
+    shape = GPTConfig(
+        vocab_size=50257, num_layers=24, hidden_size=2048, num_attention_heads=32,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    for rank in report["ranks"]:
+        held = memory_3d.held_parameters(shape, 4, 4, rank["rank"])
+        assert rank["state"]["total"] == 16 * held, rank["rank"]
+    worst = max(report["ranks"], key=lambda r: r["total"])
+    assert report["worst_rank"] == worst["rank"]
+    # 1F1B: the first stage holds four micro-batches in flight, the last one.
+    in_flight = {r["position"]["pp"]: r["in_flight"] for r in report["ranks"]}
+    assert in_flight == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert re.search(r"worst rank 0 .*total \d+\.\d\d = model state", done.stdout)
+
+
+@pytest.mark.slow
+def test_a_device_too_small_gets_the_switches_that_make_it_fit() -> None:
+    flags = [*GPT_1_3B, "--micro-batch-size", "4", "--global-batch-size", "64"]
+    flags += ["--dry-run-world-size", "16", "--device-memory", "24GB"]
+    report = run_dry_run(parse_args(flags))
+    assert report.fits is False and report.device_memory == 24 * GIB
+    names = [s.switches for s in report.suggestions]
+    assert names[0] == "bf16" and names[-1].endswith("ZeRO-2"), names
+    assert [s.fits for s in report.suggestions] == [False] * (len(names) - 1) + [True]
+    totals = [s.worst_total for s in report.suggestions]
+    assert totals == sorted(totals, reverse=True) and totals[0] < report.worst.total
+    # Each suggestion is the dry run of its own flags.
+    last = report.suggestions[-1]
+    again = run_dry_run(parse_args([*flags, *" ".join(last.flags).split()]))
+    assert again.worst.total == last.worst_total and again.fits
+    text = report.text()
+    assert "does NOT fit" in text and "--zero-2-memory-optimization" in text
+
+
+def test_no_parallelism_on_one_24gb_gpu_climbs_to_recomputation() -> None:
+    flags = [*GPT_1_3B, "--micro-batch-size", "4", "--global-batch-size", "4"]
+    report = run_dry_run(parse_args([*flags, "--device-memory", "24GiB"]))
+    assert not report.fits
+    names = [s.switches for s in report.suggestions]
+    # One rank: no ZeRO rung applies; recomputation is what saves memory there.
+    assert names == ["bf16", "bf16 + selective recompute", "bf16 + full recompute"], names
+    assert report.suggestions[-1].fits
+
+
+def test_a_bad_device_memory_is_refused_before_anything_is_built(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    assert main([*GPT_1_3B, "--device-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memory='lots'" in err and "80GB" in err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - before < 5
+
+
+def test_bad_flags_fail_the_dry_run_as_they_fail_a_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*GPT_1_3B, "--tensor-model-parallel-size", "3", "--dry-run-world-size", "4"])
+    assert code == 2
+    assert "--tensor-model-parallel-size=3" in capsys.readouterr().err
+
+
+def test_fine_tuning_tasks_are_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--task", "sequence_classification", "--pretrained-model-name-or-path", "m",
+                 "--data-name", "x", "--micro-batch-size", "2", "--lr", "1e-4", "--epochs",
+                 "1", "--dry-run"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "--task pretraining" in err
+
+
+def test_the_planning_flags_without_a_dry_run_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = [f for f in GPT_1_3B if f != "--dry-run"]
+    assert main([*flags, "--device-memory", "80GB", "--dry-run-world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memory='80GB': only a dry run reads it" in err
+    assert "--dry-run-world-size=8" in err
