@@ -81,6 +81,15 @@ bench: $(STAMP)
 	# transformers' Trainer, the reference of this one, needs accelerate (not a rapidformer dependency)
 	$(PY) -m pip install --quiet -c constraints.txt accelerate
 	$(PY) benchmarks/finetune_vs_hf.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/memory_3d.py
+	$(PY) benchmarks/pipeline_bubble.py
+	$(PY) benchmarks/lm_loss_memory.py
+	$(PY) benchmarks/moe_balancing.py
+	$(PY) benchmarks/loss_parity.py
+	$(PY) benchmarks/choosing_switches.py
+	# every chart again from the results just written (the throughput chart reads several)
+	$(PY) benchmarks/charts.py
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache .mypy_cache .ruff_cache

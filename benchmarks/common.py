@@ -110,11 +110,18 @@ def footer(result: dict[str, Any]) -> list[str]:
 
 
 def write_results(name: str, result: dict[str, Any], markdown: list[str]) -> None:
-    """benchmarks/results/NAME.json and docs/results/NAME.md (with the footer appended)."""
+    """benchmarks/results/NAME.json and docs/results/NAME.md (with the footer appended), and
+    docs/results/NAME.png where ``charts.py`` draws one for NAME (linked under the title)."""
     json_path = ROOT / "benchmarks" / "results" / f"{name}.json"
     md_path = ROOT / "docs" / "results" / f"{name}.md"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
+    from charts import draw  # matplotlib: only where results are written (not the GPU image)
+
+    chart = draw(name, json.loads(json_path.read_text()))  # the JSON as the docs will read it
+    if chart is not None:
+        title, *rest = markdown
+        markdown = [title, "", f"![{name} chart]({chart})", *rest]
     md_path.write_text("\n".join([*markdown, "", *footer(result)]))
     print(f"wrote {json_path.relative_to(ROOT)} and {md_path.relative_to(ROOT)}")

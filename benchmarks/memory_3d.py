@@ -1,5 +1,6 @@
-"""Per-rank model-state bytes of GPT 1.3B under tensor x pipeline parallelism, computed by the
-real parallelisation code on the meta device, next to the formula and the reference tool's
+"""Per-rank memory of GPT 1.3B under tensor x pipeline parallelism and ZeRO: the model state
+computed by the real parallelisation code on the meta device, the dry run's whole estimate
+(``rapidformer --dry-run``: model state, buffers, activations), and the reference tool's
 published peak memory per GPU.
 
 The model is the reference tool's GPT 1.3B (24 layers, hidden 2048, 32 heads, sequence 1024,
@@ -11,7 +12,13 @@ memory) builds the model on the meta device and runs rapidformer's own pipeline 
 parallel plan (``apply_pipeline``, ``apply_tensor_parallel``); the parameters it then holds
 (local DTensor shards, its stages only) are counted. The largest rank is reported, with the
 formula ``16 P / (tp x pp)`` (perfect split) and the published peak memory, which also holds
-activations, buffers and the allocator's slack, so only its trend is comparable.
+activations, buffers and the allocator's slack.
+
+The dry run then estimates each layout's worst rank whole, with the reference benchmark's
+settings (fp16 mixed precision, micro-batch 1, global batch 4, sequence 1024, one rank per
+tp x pp position); and the reference's data-parallel rows (fp16, OSS, OSS/SDP, ZeRO-1, ZeRO-2;
+4 ranks, 4 GPUs of a node) the same way. Its estimate excludes the CUDA context and the
+allocator's slack, which the published peaks include.
 
     .venv/bin/python benchmarks/memory_3d.py          # full grid, writes result files
     .venv/bin/python benchmarks/memory_3d.py --quick  # 2 layouts of a small GPT; writes nothing
@@ -30,6 +37,7 @@ from rapidformer.accel.pipeline import apply_pipeline
 from rapidformer.accel.stepper import TorchStepper
 from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.distributed import ParallelDims, ParallelMesh
+from rapidformer.dryrun import Workload, dry_run
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import TrainState
 
@@ -92,6 +100,44 @@ def held_parameters(model: GPTConfig, tp: int, pp: int, rank: int) -> int:
             dist.destroy_process_group()
 
 
+DATA_PARALLEL_ROWS: dict[str, tuple[dict[str, object], int]] = {  # flags, published MB
+    "fp16": ({}, 25061),
+    "+ OSS": ({"oss_memory_optimization": True}, 22077),
+    "+ OSS/SDP": ({"oss_sdp_memory_optimization": True}, 17113),
+    "+ ZeRO-1": ({"zero_1_memory_optimization": True, "zero_backend": "deepspeed"}, 15709),
+    "+ ZeRO-2": ({"zero_2_memory_optimization": True, "zero_backend": "deepspeed"}, 15693),
+}
+"""The reference's GPT 1.3B rows on 4 GPUs (shared/REFERENCE.md)."""
+
+
+def dry_run_total(model: GPTConfig, world: int, flags: dict[str, object]) -> dict[str, float]:
+    """The dry run's worst rank (MiB) for the reference's settings plus ``flags``."""
+    import torch.nn.functional as F
+
+    config = RapidformerConfig.from_dict(
+        {"micro_batch_size": 1, "global_batch_size": 4, "mixed_precision": True, "lr": 1e-4,
+         "train_iters": 1, "seq_length": model.max_position_embeddings, **flags}
+    )  # fmt: skip
+    ids = torch.zeros(1, model.max_position_embeddings, dtype=torch.long, device="meta")
+    work = Workload(
+        build=lambda: GPTModel.build(model, "meta"),
+        batch={"input_ids": ids},
+        inputs=lambda batch: (batch["input_ids"],),
+        loss=lambda out, batch: F.cross_entropy(
+            out.flatten(0, 1).float(), batch["input_ids"].flatten()
+        ),
+        hidden_size=model.hidden_size,
+        seq_length=model.max_position_embeddings,
+    )
+    worst = dry_run(config, world, work, "GPT 1.3B").worst
+    return {
+        "dry_run_total_mib": round(worst.total / 2**20, 1),
+        "dry_run_state_mib": round(worst.device_state / 2**20, 1),
+        "dry_run_buffers_mib": round(worst.buffers / 2**20, 1),
+        "dry_run_activations_mib": round(worst.activations / 2**20, 1),
+    }
+
+
 def main() -> None:
     parser = argument_parser(__doc__, "a 4-layer GPT at 1x1 and 2x2")
     args = parser.parse_args()
@@ -112,10 +158,19 @@ def main() -> None:
         largest = max(per_rank) * BYTES_PER_PARAMETER / 2**20
         formula = whole * BYTES_PER_PARAMETER / (tp * pp) / 2**20
         published = PUBLISHED_MB.get((tp, pp))
+        estimate = dry_run_total(
+            model,
+            tp * pp,
+            {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        )
         rows.append(
             {
                 "tp": tp,
                 "pp": pp,
+                **estimate,
+                "dry_run_over_published": round(estimate["dry_run_total_mib"] / published, 3)
+                if published
+                else None,
                 "largest_rank_mib": round(largest, 1),
                 "smallest_rank_mib": round(min(per_rank) * BYTES_PER_PARAMETER / 2**20, 1),
                 "formula_mib": round(formula, 1),
@@ -125,6 +180,15 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
+    data_parallel = []
+    for name, (flags, published_mb) in DATA_PARALLEL_ROWS.items():
+        estimate = dry_run_total(model, 4, flags)
+        ratio = round(estimate["dry_run_total_mib"] / published_mb, 3)
+        data_parallel.append(
+            {"row": name, **estimate, "published_peak_mb": published_mb,
+             "dry_run_over_published": ratio}
+        )  # fmt: skip
+        print(data_parallel[-1], flush=True)
     if args.quick:
         return
     result = stamp(
@@ -133,10 +197,11 @@ def main() -> None:
             "parameters": whole,
             "bytes_per_parameter": BYTES_PER_PARAMETER,
             "rows": rows,
+            "data_parallel_rows": data_parallel,
         }
     )
     lines = [
-        "# Model-state memory per rank under tensor x pipeline parallelism (GPT 1.3B)",
+        "# Memory per rank under tensor x pipeline parallelism and ZeRO (GPT 1.3B)",
         "",
         f"{whole:,} parameters, {BYTES_PER_PARAMETER} bytes each (fp16 mixed-precision Adam). "
         "Measured: the largest rank's parameters after rapidformer's own pipeline cut and "
@@ -153,6 +218,35 @@ def main() -> None:
             f"{row['smallest_rank_mib']:,} | {row['formula_mib']:,} | "
             f"{row['measured_over_formula']} | {row['published_peak_mb']:,} | "
             f"{row['measured_over_published']} |"
+        )
+    lines += [
+        "",
+        "## The dry run of the reference's benchmark",
+        "",
+        "`rapidformer --dry-run` of each row with the reference's settings (fp16, micro-batch 1, "
+        "global batch 4, seq 1024): the worst rank's model state, buffers (DDP's gradient "
+        "buckets, FSDP's gathered parameters) and activations (the pipeline's in-flight "
+        "micro-batches included), beside the published peak. The published peaks also hold the "
+        "CUDA context and the allocator's slack; the DeepSpeed rows are estimated with the "
+        "native layout of their stage.",
+        "",
+        "| layout | ranks | state MiB | buffers MiB | activations MiB | dry-run total MiB "
+        "| published peak MB | dry run / published |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| tp {row['tp']} x pp {row['pp']} | {row['tp'] * row['pp']} "
+            f"| {row['dry_run_state_mib']:,} | {row['dry_run_buffers_mib']:,} "
+            f"| {row['dry_run_activations_mib']:,} | {row['dry_run_total_mib']:,} "
+            f"| {row['published_peak_mb']:,} | {row['dry_run_over_published']} |"
+        )
+    for row in data_parallel:
+        lines.append(
+            f"| dp 4, {row['row']} | 4 | {row['dry_run_state_mib']:,} "
+            f"| {row['dry_run_buffers_mib']:,} | {row['dry_run_activations_mib']:,} "
+            f"| {row['dry_run_total_mib']:,} | {row['published_peak_mb']:,} "
+            f"| {row['dry_run_over_published']} |"
         )
     write_results("memory_3d", result, lines)
 

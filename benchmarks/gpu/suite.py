@@ -11,7 +11,8 @@ Sections (each timed, each failing on its own without stopping the others):
    steps x 3 repeats after warm-up, with the median engine / hand ratio and its spread, MFU,
    peak memory, and the compiled graphs and eager fallbacks (``side_by_side.py``).
    ``recompute``: GPT-1.3B eager, tokens/s and peak memory with no recomputation, full,
-   selective, and full recomputation of half the layers (``--recompute-method block``).
+   selective, and full recomputation of half the layers (``--recompute-method block``), each
+   beside the dry run's estimate of that peak (``rapidformer --dry-run``; estimate / measured).
 3. ``optimizers``: one ``optimizer.step()`` over GPT-350M's parameters: fused AdamW vs LAMB
    (multi-tensor, and through ``torch.compile`` as rapidformer runs it on CUDA).
 4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
@@ -140,16 +141,47 @@ def recompute_section(dry: bool) -> dict[str, Any]:
             loss = engine.run_step([ids], functions).loss_tensor
         _sync(engine.device)
         elapsed = time.perf_counter() - started
+        measured = _peak_mb(engine.device)
+        estimate = _dry_run_mb(config, row, seq, vocab)
         rows[name] = {
             "tokens_per_s": row.batch * seq * steps / elapsed,
-            "peak_memory_mb": _peak_mb(engine.device),
+            "peak_memory_mb": measured,
+            "dry_run_estimate_mb": estimate,
+            "estimate_over_measured": estimate / measured if measured else None,
             "loss": float(loss),
         }
+        print(f"recompute {name}: dry-run estimate / measured peak = {estimate:.0f} / "
+              f"{measured:.0f} MiB", flush=True)  # fmt: skip
         engine.close()
     for values in rows.values():
         values["speed_vs_none"] = values["tokens_per_s"] / rows["none"]["tokens_per_s"]
         values["memory_vs_none"] = values["peak_memory_mb"] / rows["none"]["peak_memory_mb"]
     return {"model": row.name, "rows": rows}
+
+
+def _dry_run_mb(config: Any, row: Any, seq: int, vocab: int) -> float:
+    """The dry run's estimate of one rank's peak for the row's model and flags (MiB)."""
+    import torch.nn.functional as F
+
+    from rapidformer.dryrun import Workload, dry_run
+
+    shape = GPTConfig(
+        vocab_size=vocab, num_layers=row.layers, hidden_size=row.hidden,
+        num_attention_heads=row.heads, max_position_embeddings=seq, dropout=0.0,
+    )  # fmt: skip
+    ids = torch.zeros(row.batch, seq, dtype=torch.long, device="meta")
+    work = Workload(
+        build=lambda: GPTModel.build(shape, "meta"),
+        batch={"input_ids": ids},
+        inputs=lambda batch: (batch["input_ids"],),
+        loss=lambda out, batch: F.cross_entropy(
+            out.flatten(0, 1).float(), batch["input_ids"].flatten()
+        ),
+        hidden_size=row.hidden,
+        seq_length=seq,
+    )
+    config = config.replace(train_iters=1)  # the dry run checks the flags of a whole run
+    return dry_run(config, 1, work, row.name).worst.total / 2**20
 
 
 # ---- 3. optimizers -----------------------------------------------------------------------

@@ -169,3 +169,24 @@ def test_the_planning_flags_without_a_dry_run_are_refused(
     err = capsys.readouterr().err
     assert "--device-memory='80GB': only a dry run reads it" in err
     assert "--dry-run-world-size=8" in err
+
+
+def test_rules_about_this_machine_do_not_bind_a_plan_for_gpus(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """fp16 under DeepSpeed and fp8 need GPUs: refused for a run on this CPU, planned by a dry
+    run (which is for the GPUs elsewhere)."""
+    small = [*GPT_1_3B, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--global-batch-size", "2", "--dry-run-world-size", "2"]  # fmt: skip
+    gpu_only = [
+        ["--zero-backend", "deepspeed", "--zero-2-memory-optimization", "--mixed-precision"],
+        ["--precision", "fp8"],
+    ]
+    for flags in gpu_only:
+        report = run_dry_run(parse_args([*small, *flags]))
+        assert report.ranks and report.worst.total > 0, flags
+        real = [f for f in [*small, *flags] if f != "--dry-run"]
+        real = [f for i, f in enumerate(real) if not (f == "--dry-run-world-size" or
+                (i and real[i - 1] == "--dry-run-world-size"))]  # fmt: skip
+        assert main(real) == 2, flags
+        assert "GPU" in capsys.readouterr().err

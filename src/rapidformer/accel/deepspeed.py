@@ -230,7 +230,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
     switch that would fight its engine for the model or the numerics (checked only when the
     backend is chosen: engine/order.py)."""
     flag, dims = "--zero-backend", context.dims
-    if importlib.util.find_spec("deepspeed") is None:
+    if context.on_this_machine and importlib.util.find_spec("deepspeed") is None:
         yield Violation(
             flag,
             "deepspeed",
@@ -299,7 +299,8 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "gradient hooks are untested with them)",
             "drop --torch-compile, or use --zero-backend native",
         )
-    if config.precision.resolved == "fp16" and not torch.cuda.is_available():
+    here = context.on_this_machine
+    if here and config.precision.resolved == "fp16" and not torch.cuda.is_available():
         precision = config.precision
         yield Violation(
             "--mixed-precision" if precision.mixed_precision else "--precision",

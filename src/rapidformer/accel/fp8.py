@@ -106,8 +106,8 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             yield Violation("--fp8-recipe", precision.fp8_recipe, "needs --precision fp8", "add it")
         return
     flag = "--precision"
-    if EMULATE:
-        pass  # tests: torchao's emulation runs anywhere
+    if EMULATE or not context.on_this_machine:
+        pass  # tests: torchao's emulation runs anywhere; a dry run plans for other machines
     elif not torch.cuda.is_available():
         yield Violation(
             flag,
@@ -125,7 +125,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             f"{major}.{minor}",
             "use --precision bf16",
         )
-    if importlib.util.find_spec("torchao") is None:
+    if context.on_this_machine and importlib.util.find_spec("torchao") is None:
         yield Violation(
             flag, "fp8", "needs torchao (float8 training)", "pip install 'rapidformer[gpu]'"
         )

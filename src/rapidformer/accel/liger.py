@@ -91,7 +91,7 @@ def apply_liger_kernel(
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    if not config.graph.liger_kernel:
+    if not config.graph.liger_kernel or not context.on_this_machine:
         return
     if importlib.util.find_spec("liger_kernel") is None:
         yield Violation(

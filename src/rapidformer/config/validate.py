@@ -55,6 +55,9 @@ class RunContext:
     runs_loop: bool = True
     """rapidformer's loop decides the run length (False for a hand-written loop driving the
     engine): needs --train-iters or --epochs."""
+    on_this_machine: bool = True
+    """The run happens here (False for a dry run, which plans a run on other machines: rules
+    about this machine's devices and installed packages do not apply)."""
 
 
 Rule = Callable[[RapidformerConfig, RunContext], Iterator[Violation]]

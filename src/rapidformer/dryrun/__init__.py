@@ -13,7 +13,7 @@ fit, the switches that would make it fit are tried in order (:mod:`rapidformer.d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
@@ -24,7 +24,16 @@ from rapidformer.dryrun.simulate import NOT_SIMULATED
 from rapidformer.engine.validation import validate
 from rapidformer.errors import ConfigError, Violation
 
-__all__ = ["DryRunReport", "Workload", "dry_run", "parse_memory", "simulated_ranks"]
+__all__ = [
+    "DryRunReport",
+    "Suggestion",
+    "Workload",
+    "climb",
+    "dry_run",
+    "parse_memory",
+    "simulated_ranks",
+    "worst_rank",
+]
 
 ALL_RANKS_UP_TO = 64
 """Worlds up to this size simulate every rank; larger ones each pipeline position's first and
@@ -89,7 +98,14 @@ def dry_run(
 def _validated(
     config: RapidformerConfig, world_size: int, extra: Iterable[Violation]
 ) -> ParallelDims:
-    return validate(config, world_size, builds_optimizer=True, runs_loop=True, extra=extra)
+    return validate(
+        config,
+        world_size,
+        builds_optimizer=True,
+        runs_loop=True,
+        extra=extra,
+        on_this_machine=False,
+    )
 
 
 def _estimate(
@@ -109,6 +125,33 @@ def _suggestions(
     device_memory: int,
     extra: Iterable[Violation],
 ) -> list[Suggestion]:
+    found: list[Suggestion] = []
+    for suggestion in climb(config, world_size, work, extra, device_memory):
+        found.append(suggestion)
+        if suggestion.fits:
+            break
+    return found
+
+
+def worst_rank(
+    config: RapidformerConfig, world_size: int, work: Workload, extra: Iterable[Violation] = ()
+) -> int:
+    """The worst rank's estimate in bytes (each pipeline position's first and last
+    data-parallel rank simulated), for a quick answer over many configs."""
+    dims = _validated(config, world_size, extra)
+    return max(rank.total for rank in _estimate(config, dims, work, every=False))
+
+
+def climb(
+    config: RapidformerConfig,
+    world_size: int,
+    work: Workload,
+    extra: Iterable[Violation] = (),
+    device_memory: int | None = None,
+) -> Iterator[Suggestion]:
+    """Every rung of the ladder (:mod:`rapidformer.dryrun.fit`) that the rules accept on
+    ``world_size`` ranks, with its worst rank (each pipeline position's first and last
+    data-parallel rank simulated)."""
     extra = list(extra)
 
     def valid(candidate: RapidformerConfig) -> bool:
@@ -118,15 +161,10 @@ def _suggestions(
             return False
         return True
 
-    found: list[Suggestion] = []
     for switches, candidate in ladder(config, world_size, valid):
-        dims = _validated(candidate, world_size, extra)
-        worst = max(rank.total for rank in _estimate(candidate, dims, work, every=False))
-        fit = fits(worst, device_memory)
-        found.append(Suggestion(switches, _changed_flags(config, candidate), worst, fit))
-        if fit:
-            break
-    return found
+        worst = worst_rank(candidate, world_size, work, extra)
+        fit = device_memory is not None and fits(worst, device_memory)
+        yield Suggestion(switches, _changed_flags(config, candidate), worst, fit)
 
 
 def _changed_flags(before: RapidformerConfig, after: RapidformerConfig) -> list[str]:

@@ -157,6 +157,11 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
     state = compose_on_meta(config, dims, work.build, ACTIVATION_STEPS).state
     dtype = _LOW.get(config.precision.resolved)
     parts = state.model_parts
+    if dtype is not None and _computes_in_low_precision_weights(config):
+        # FSDP2's MixedPrecisionPolicy gathers the weights in 16 bits (DeepSpeed keeps them
+        # so): autocast then makes no copy of them (those weights are in the buffers).
+        for part in parts:
+            part.to(dtype)
     measured = [_measure_part(state, part, work, dtype) for part in parts]
     kept = sum(m.kept for m in measured) / len(measured)
     peak = max(m.peak for m in measured)
@@ -174,6 +179,13 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
         elements=sum(_local_elements(part) for part in parts),
         largest_unit=max(units, default=0),
         in_units=sum(units),
+    )
+
+
+def _computes_in_low_precision_weights(config: RapidformerConfig) -> bool:
+    mode = sharding_mode(config)
+    return config.memory.zero_backend == "deepspeed" or (
+        mode is not None and mode[0] in ("sdp", "fsdp")
     )
 
 

@@ -17,6 +17,7 @@ estimated with the native layout of the same ZeRO stage.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -76,6 +77,9 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         raise RuntimeError(
             "a dry run simulates its own ranks and needs a process without a process group"
         )
+    # Each init wraps sys.excepthook to prefix "[rankN]: " to tracebacks; the simulated ranks
+    # must not stack their prefixes on this process's.
+    excepthook = sys.excepthook
     if world_size > 1:
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
@@ -83,6 +87,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def simulated_config(config: RapidformerConfig) -> RapidformerConfig:

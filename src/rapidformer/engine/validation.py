@@ -31,6 +31,7 @@ def validate(
     builds_optimizer: bool = True,
     runs_loop: bool = True,
     extra: Iterable[Violation] = (),
+    on_this_machine: bool = True,
 ) -> ParallelDims:
     """Check every rule before any process group or model exists; return the parallel degrees
     or raise one :class:`~rapidformer.errors.ConfigError` listing every violation.
@@ -38,8 +39,14 @@ def validate(
     ``builds_optimizer`` is False when the caller supplies its own optimizer (``--lr``
     optional); ``runs_loop`` is False for a hand-written loop driving the engine
     (``--train-iters``/``--epochs`` optional); ``extra`` are a template's own violations.
+    ``on_this_machine`` is False for a dry run (no rule about this machine's devices).
     """
     dims = parallel_dims(config, world_size, rank)
-    context = RunContext(dims, builds_optimizer=builds_optimizer, runs_loop=runs_loop)
+    context = RunContext(
+        dims,
+        builds_optimizer=builds_optimizer,
+        runs_loop=runs_loop,
+        on_this_machine=on_this_machine,
+    )
     check(config, context, (*GENERAL_RULES, *backend(config).rules), extra)
     return dims
