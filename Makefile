@@ -65,7 +65,8 @@ docs: $(STAMP)
 # The docs site (mkdocs + Material over docs/, API pages from the docstrings) into site/;
 # --strict fails on a broken link, anchor, nav entry or docstring reference.
 docs-site: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	# Not --quiet: it hides the warnings and with them the strict failure (mkdocs 1.6).
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -86,6 +86,7 @@ def memory_3d(result: dict[str, Any]) -> Figure:
     rows = result["rows"] + result.get("data_parallel_rows", [])
     names = [f"tp{r['tp']} x pp{r['pp']}" if "tp" in r else f"dp4 {r['row']}" for r in rows]
     series = {
+        "model state: formula 16 P / (tp pp)": [r.get("formula_mib") for r in rows],
         "model state, largest rank (measured cut)": [r.get("largest_rank_mib") for r in rows],
         "dry-run estimate (state + buffers + activations)": [
             r.get("dry_run_total_mib") for r in rows
@@ -93,9 +94,9 @@ def memory_3d(result: dict[str, Any]) -> Figure:
         # As published ("MB"; read as the MiB that memory tools print).
         "reference tool's published peak": [r["published_peak_mb"] for r in rows],
     }
-    width = 0.27
+    width = 0.2
     for index, (label, values) in enumerate(series.items()):
-        positions = [i + (index - 1) * width for i in range(len(rows))]
+        positions = [i + (index - 1.5) * width for i in range(len(rows))]
         axis.bar(positions, [v or 0 for v in values], width, label=label)
     axis.set_xticks(range(len(rows)), names, rotation=35, ha="right")
     axis.set(ylabel="MiB per GPU", title="GPT 1.3B: memory per rank by layout")

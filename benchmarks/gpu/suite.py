@@ -27,6 +27,7 @@ caches belong outside it (``run.sh`` puts them under the temporary directory).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -153,6 +154,9 @@ def recompute_section(dry: bool) -> dict[str, Any]:
         print(f"recompute {name}: dry-run estimate / measured peak = {estimate:.0f} / "
               f"{measured:.0f} MiB", flush=True)  # fmt: skip
         engine.close()
+        # The next mode's peak must not hold this one's model and optimizer.
+        del state, functions, ids, loss
+        gc.collect()
     for values in rows.values():
         values["speed_vs_none"] = values["tokens_per_s"] / rows["none"]["tokens_per_s"]
         values["memory_vs_none"] = values["peak_memory_mb"] / rows["none"]["peak_memory_mb"]

@@ -136,8 +136,7 @@ def rank_memory(
             if profiles is not None:
                 profiles[dims.pp_rank] = profile
         buffers, what = _buffers(config, state, held, profile)
-    mode = sharding_mode(config)
-    offloaded = config.memory.cpu_offload and mode is not None and mode[0] != "oss"
+    offloaded = config.memory.cpu_offload and _fsdp(config, dims)
     return RankMemory(
         rank=dims.rank,
         position={"tp": dims.tp_rank, "pp": dims.pp_rank, "dp": dims.dp_rank},
@@ -157,7 +156,7 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
     state = compose_on_meta(config, dims, work.build, ACTIVATION_STEPS).state
     dtype = _LOW.get(config.precision.resolved)
     parts = state.model_parts
-    if dtype is not None and _computes_in_low_precision_weights(config):
+    if dtype is not None and _computes_in_low_precision_weights(config, dims):
         # FSDP2's MixedPrecisionPolicy gathers the weights in 16 bits (DeepSpeed keeps them
         # so): autocast then makes no copy of them (those weights are in the buffers).
         for part in parts:
@@ -182,22 +181,25 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
     )
 
 
-def _computes_in_low_precision_weights(config: RapidformerConfig) -> bool:
+def _fsdp(config: RapidformerConfig, dims: ParallelDims) -> bool:
+    """Whether FSDP2 shards the model (ZeRO-2/3 on more than one data-parallel rank; on one,
+    the plan says nothing is sharded)."""
     mode = sharding_mode(config)
-    return config.memory.zero_backend == "deepspeed" or (
-        mode is not None and mode[0] in ("sdp", "fsdp")
-    )
+    return mode is not None and mode[0] in ("sdp", "fsdp") and dims.dp > 1
+
+
+def _computes_in_low_precision_weights(config: RapidformerConfig, dims: ParallelDims) -> bool:
+    return config.memory.zero_backend == "deepspeed" or _fsdp(config, dims)
 
 
 def _one_micro_batch(config: RapidformerConfig, dims: ParallelDims) -> bool:
     """Whether a step is one micro-batch whose backward starts without gradients: several
     micro-batches (accumulation, a pipeline) meet the previous ones' gradients, and FSDP2's
     gradients are sharded as each block's backward ends."""
-    mode = sharding_mode(config)
     accumulation = dims.accumulation_steps(
         config.data.micro_batch_size, config.data.global_batch_size
     )
-    return accumulation == 1 and dims.pp == 1 and (mode is None or mode[0] == "oss")
+    return accumulation == 1 and dims.pp == 1 and not _fsdp(config, dims)
 
 
 def _in_flight_of(config: RapidformerConfig, state: TrainState, dims: ParallelDims) -> int:
@@ -240,7 +242,7 @@ def _buffers(
     mode = sharding_mode(config)
     if dims.dp == 1:
         return 0, "none (one data-parallel rank)"
-    if mode is not None and mode[0] in ("sdp", "fsdp"):
+    if mode is not None and _fsdp(config, dims):
         size = 2 if config.precision.resolved in _LOW else 4
         largest = profile.largest_unit
         if mode[0] == "sdp":
