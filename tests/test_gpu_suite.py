@@ -80,7 +80,9 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert all(abs(r["loss"] - recompute["none"]["loss"]) <= 1e-2 for r in recompute.values())
     # Each mode carries the dry run's estimate of its peak (on a GPU: within 10% is the goal).
     estimates = {name: row["dry_run_estimate_mb"] for name, row in recompute.items()}
-    assert estimates["full"] < estimates["selective"] < estimates["none"], estimates
+    # (On the tiny dry-run shapes the step's end, not its activations, is the peak of the two
+    # recomputing modes: equal there.)
+    assert estimates["full"] <= estimates["selective"] < estimates["none"], estimates
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 
