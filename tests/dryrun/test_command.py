@@ -176,8 +176,9 @@ def test_rules_about_this_machine_do_not_bind_a_plan_for_gpus(
 ) -> None:
     """fp16 under DeepSpeed and fp8 need GPUs: refused for a run on this CPU, planned by a dry
     run (which is for the GPUs elsewhere)."""
-    small = [*GPT_1_3B, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "32", "--global-batch-size", "2", "--dry-run-world-size", "2"]  # fmt: skip
+    small = [*GPT_1_3B, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+             "4", "--seq-length", "32", "--global-batch-size", "2", "--dry-run-world-size",
+             "2"]  # fmt: skip
     gpu_only = [
         ["--zero-backend", "deepspeed", "--zero-2-memory-optimization", "--mixed-precision"],
         ["--precision", "fp8"],
