@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rapidformer import safe_load
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
-from rapidformer.errors import CheckpointError
+from rapidformer.errors import CheckpointError, exit_code_of
 from rapidformer.templates.families import family_for
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``."""
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, *, trust_checkpoint: bool = False
+) -> Path:
+    """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``
+    (safetensors). Its files are scanned before they are unpickled unless ``trust_checkpoint``
+    (see :mod:`rapidformer.safe_load`)."""
+    with safe_load.trusting(trust_checkpoint):
+        return _export(checkpoint, out_dir)
+
+
+def _export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     path = find_checkpoint(checkpoint)
     if path is None:
         raise CheckpointError(
@@ -50,8 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rapidformer.export", description=__doc__)
     parser.add_argument("checkpoint", help="a --save directory or one iter_* directory in it")
     parser.add_argument("out_dir", help="where to write the Hugging Face model")
+    parser.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="unpickle the checkpoint's files without the allowlist scan (a trusted source only)",
+    )
     args = parser.parse_args(argv)
-    print(f"exported to {export_checkpoint(args.checkpoint, args.out_dir)}")
+    try:
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, trust_checkpoint=args.trust_checkpoint
+        )
+    except CheckpointError as exc:
+        print(f"rapidformer.export: error: {exc}", file=sys.stderr)
+        return exit_code_of(exc)
+    print(f"exported to {out}")
     return 0
 
 

@@ -27,7 +27,7 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -69,9 +69,19 @@ __all__ = [
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator's state as tensors and plain values (``weights_only`` reads it back)."""
+    name, keys, position, has_gauss, gaussian = cast(
+        "tuple[str, np.ndarray, int, int, float]", np.random.get_state()
+    )
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gaussian),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -81,7 +91,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        keys = saved["keys"].numpy().astype(np.uint32)
+        saved = (saved["name"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
+    np.random.set_state(saved)  # a tuple in checkpoints of earlier versions
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

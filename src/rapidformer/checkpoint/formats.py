@@ -41,17 +41,12 @@ from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
+from rapidformer.safe_load import dcp_load_planner, load_file, scan_dcp
 from rapidformer.state import CheckpointFormat, TrainState
 
 SHARDED = "sharded"
 """Sub-directory of a checkpoint holding torch.distributed.checkpoint (DCP) shard files."""
 NATIVE = ("consolidated", "dcp")
-
-
-def load_file(file: Path) -> Any:
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint file {file} is missing")
-    return torch.load(file, map_location="cpu", weights_only=False)
 
 
 def _has_dtensors(state: TrainState) -> bool:
@@ -166,7 +161,8 @@ class DistributedFormat:
             content["optimizer"] = get_optimizer_state_dict(
                 _single_part(state), state.optimizer, options=_FLAT
             )
-        dcp.load(content, checkpoint_id=directory / SHARDED)
+        scan_dcp(directory / SHARDED)  # before DCP unpickles its metadata
+        dcp.load(content, checkpoint_id=directory / SHARDED, planner=dcp_load_planner())
         for part, template in zip(state.model_parts, templates, strict=True):
             set_model_state_dict(part, {name: content["model"][name] for name in template})
         if state.optimizer is not None:
@@ -241,6 +237,7 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
     """Read every rank's model shards of a DCP checkpoint into whole tensors, in this process
     and without the optimizer state: the metadata gives each tensor's shape and dtype, DCP
     fills them from whichever files hold the pieces."""
+    scan_dcp(directory / SHARDED)  # before DCP unpickles it
     metadata = dcp.FileSystemReader(directory / SHARDED).read_metadata()
     template: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -249,7 +246,7 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
                 item.size, dtype=item.properties.dtype
             )
     content = {"model": template}
-    dcp.load(content, checkpoint_id=directory / SHARDED, no_dist=True)
+    dcp.load(content, checkpoint_id=directory / SHARDED, no_dist=True, planner=dcp_load_planner())
     return content["model"]
 
 

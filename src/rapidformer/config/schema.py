@@ -94,6 +94,10 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     """Dropout probability inside the built-in GPT and BERT models (0 makes runs exactly
     comparable across data-parallel sizes)."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python files of --pretrained-model-name-or-path (a model whose
+    config.json maps its classes to code in the directory or on the hub); off by default, as
+    in transformers. The run plan names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,6 +353,12 @@ class CheckpointConfig:
     one at the step reached when a stop signal (SIGTERM, SIGINT, SIGUSR1) arrives."""
     save_keep: int | None = None
     """Keep only the newest this many checkpoints under --save (default: keep all)."""
+    trust_checkpoint: bool = False
+    """Load checkpoint files without scanning their pickles (--load, resuming from --save, a
+    Hugging Face .bin, a dense checkpoint to upcycle): only for a checkpoint whose source you
+    trust, since unpickling a crafted file can run any code. By default every pickle is
+    scanned and anything but tensors, plain containers and the types checkpoints hold is
+    refused (docs/checkpoints.md, Loading safely)."""
 
 
 @dataclass(frozen=True, kw_only=True)

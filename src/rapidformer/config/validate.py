@@ -271,6 +271,26 @@ def _planning(config: RapidformerConfig, context: RunContext) -> Iterator[Violat
             )
 
 
+def _trust(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """The consent flags must have something to consent to (else they would do nothing)."""
+    model, checkpoint = config.model, config.checkpoint
+    if model.trust_remote_code and model.pretrained_model_name_or_path is None:
+        yield Violation(
+            "--trust-remote-code",
+            True,
+            "only a Hugging Face model (--pretrained-model-name-or-path) ships code to run",
+            "drop --trust-remote-code",
+        )
+    loads = (checkpoint.load, checkpoint.save, model.pretrained_model_name_or_path)
+    if checkpoint.trust_checkpoint and all(source is None for source in loads):
+        yield Violation(
+            "--trust-checkpoint",
+            True,
+            "this run loads no checkpoint (no --load, --save or --pretrained-model-name-or-path)",
+            "drop --trust-checkpoint",
+        )
+
+
 GENERAL_RULES: tuple[Rule, ...] = (
     _positive_integers,
     _choices,
@@ -283,5 +303,6 @@ GENERAL_RULES: tuple[Rule, ...] = (
     _precision,
     _not_available,
     _planning,
+    _trust,
 )
 """The rules that concern no single acceleration."""

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from rapidformer import safe_load
 from rapidformer.accel.compile import compiled_loss
 from rapidformer.accel.eager import EagerForwardBackward
 from rapidformer.accel.stepper import TorchStepper
@@ -42,7 +43,7 @@ from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.engine.late_weights import LateWeights
 from rapidformer.engine.order import backend
-from rapidformer.engine.plan_log import log_plan, measure_peak, model_mfu_meter
+from rapidformer.engine.plan_log import log_plan, measure_peak, model_mfu_meter, trust_steps
 from rapidformer.engine.result import StepResult, step_result
 from rapidformer.engine.validation import validate
 from rapidformer.errors import Violation
@@ -83,6 +84,8 @@ class RapidformerEngine:
         )
         self.config = config
         self.env = env
+        # Before anything loads: whether checkpoint files are scanned (--trust-checkpoint).
+        safe_load.set_trust(config.checkpoint.trust_checkpoint)
         if env.rank == 0:
             setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
         self.device = process_group.pick_device(env)
@@ -146,6 +149,7 @@ class RapidformerEngine:
         )
         for apply in backend(self.config).order:
             state = apply(state, self.config, self.mesh)
+        state.plan.extend(trust_steps(self.config))
         state.settle()
         # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.
         if self.is_main_process:

@@ -13,7 +13,7 @@ from rapidformer.flops import MfuMeter, mfu_meter
 from rapidformer.hardware import Peak, device_peak, precision_support
 from rapidformer.logging import log
 from rapidformer.memory import describe
-from rapidformer.state import TrainState
+from rapidformer.state import PlanStep, TrainState
 
 
 def measure_peak(device: torch.device, config: RapidformerConfig) -> Peak:
@@ -37,6 +37,30 @@ def model_mfu_meter(
     # selective (pointwise ops only) and block (some layers) are not counted.
     checkpointing = memory.recompute == "full" and memory.recompute_method != "block"
     return mfu_meter(model, seq, checkpointing, peak.tflops, world_size)
+
+
+def trust_steps(config: RapidformerConfig) -> list[PlanStep]:
+    """The run's consent to running code from files it loads, named in the plan."""
+    steps = []
+    if config.checkpoint.trust_checkpoint:
+        steps.append(
+            PlanStep(
+                "checkpoint loading",
+                "pickle, not scanned (--trust-checkpoint)",
+                "checkpoint files are unpickled as they are; without the flag every pickle is "
+                "scanned against an allowlist first",
+            )
+        )
+    if config.model.trust_remote_code:
+        steps.append(
+            PlanStep(
+                "Hugging Face remote code",
+                "trust_remote_code=True (--trust-remote-code)",
+                f"the Python files of {config.model.pretrained_model_name_or_path} run when "
+                "the model and tokenizer load",
+            )
+        )
+    return steps
 
 
 def log_plan(

@@ -352,17 +352,20 @@ def load_hugging_face(
     (``model_type`` "gpt2" or "bert" in its ``config.json``)."""
     import transformers
 
+    from rapidformer.safe_load import hugging_face_weights
+
     hf_config = transformers.AutoConfig.from_pretrained(directory)
+    weights = hugging_face_weights(directory)  # safetensors first; .bin files scanned
     with torch.random.fork_rng(devices=[]):
         if hf_config.model_type == "gpt2":
             gpt_config = _gpt_config_from_hf(hf_config)
-            hf_gpt = transformers.GPT2LMHeadModel.from_pretrained(directory)
+            hf_gpt = transformers.GPT2LMHeadModel.from_pretrained(directory, **weights)
             gpt = GPTModel.build(gpt_config, device=device)
             gpt.load_state_dict(gpt_from_hf(hf_gpt.state_dict(), gpt_config), strict=True)
             return gpt
         if hf_config.model_type == "bert":
             bert_config = _bert_config_from_hf(hf_config)
-            hf_bert = transformers.BertForPreTraining.from_pretrained(directory)
+            hf_bert = transformers.BertForPreTraining.from_pretrained(directory, **weights)
             bert = BertModel.build(bert_config, device=device)
             bert.load_state_dict(bert_from_hf(hf_bert.state_dict(), bert_config), strict=True)
             return bert

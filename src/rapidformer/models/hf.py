@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.errors import ConfigError
+from rapidformer.safe_load import hugging_face_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -83,15 +84,17 @@ def _probe_hub(local: bool) -> None:
         raise ConnectionError("the hub did not answer a connection within 3 s")
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The fast tokenizer saved with a model (a local directory or a hub name)."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The fast tokenizer saved with a model (a local directory or a hub name); the
+    directory's own Python code runs only with ``trust_remote_code`` (--trust-remote-code)."""
     from transformers import AutoTokenizer
 
     local = _check_local(name_or_path)
     try:
         _probe_hub(local)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
+        _refuse_remote_code(name_or_path, exc)
         if not local:
             raise _hub_error(name_or_path, "tokenizer", exc) from exc
         raise ConfigError.single(
@@ -105,14 +108,22 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
+def load_model(
+    name_or_path: str, auto_class: str, trust_remote_code: bool = False, **kwargs: Any
+) -> nn.Module:
     """``transformers.<auto_class>.from_pretrained(name_or_path, **kwargs)`` with errors that
-    say what is wrong with the directory."""
+    say what is wrong with the directory. Its safetensors are preferred; without them its
+    ``.bin`` files are scanned before transformers unpickles them
+    (:func:`rapidformer.safe_load.hugging_face_weights`); its own Python code runs only
+    with ``trust_remote_code`` (--trust-remote-code)."""
     transformers = importlib.import_module("transformers")
     local = _check_local(name_or_path)
+    kwargs = {**hugging_face_weights(name_or_path), **kwargs}
     try:
         _probe_hub(local)
-        model: nn.Module = getattr(transformers, auto_class).from_pretrained(name_or_path, **kwargs)
+        model: nn.Module = getattr(transformers, auto_class).from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code, **kwargs
+        )
     except OSError as exc:
         if not local:
             raise _hub_error(name_or_path, "model", exc) from exc
@@ -123,6 +134,7 @@ def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
             "pass a directory written by model.save_pretrained(dir)",
         ) from exc
     except ValueError as exc:  # e.g. the architecture has no head for this task
+        _refuse_remote_code(name_or_path, exc)
         raise ConfigError.single(
             PRETRAINED_FLAG,
             name_or_path,
@@ -132,15 +144,33 @@ def load_model(name_or_path: str, auto_class: str, **kwargs: Any) -> nn.Module:
     return model
 
 
-def tp_plan_of(name_or_path: str) -> Any:
+def tp_plan_of(name_or_path: str, trust_remote_code: bool = False) -> Any:
     """The tensor-parallel plan (``base_model_tp_plan``) the model's config.json ships, read
     without weights; None when it has none, or for a hub name (not fetched by validation)."""
     if not (Path(name_or_path).expanduser() / "config.json").is_file():
         return None
     transformers = importlib.import_module("transformers")
-    return getattr(
-        transformers.AutoConfig.from_pretrained(name_or_path), "base_model_tp_plan", None
-    )
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            name_or_path, trust_remote_code=trust_remote_code
+        )
+    except ValueError as exc:
+        _refuse_remote_code(name_or_path, exc)
+        raise
+    return getattr(config, "base_model_tp_plan", None)
+
+
+def _refuse_remote_code(name_or_path: str, exc: Exception) -> None:
+    """transformers refused to run the directory's own code: say which flag allows it."""
+    if "trust_remote_code" not in str(exc):
+        return
+    raise ConfigError.single(
+        PRETRAINED_FLAG,
+        name_or_path,
+        "maps its model or tokenizer to Python code shipped with it (config.json auto_map), "
+        "which runs only when allowed",
+        "read that code, then pass --trust-remote-code if you trust it",
+    ) from None
 
 
 def check_vocabulary(model: nn.Module, tokenizer_size: int, path: str) -> None:

@@ -154,7 +154,7 @@ class Finetuner(Trainer):
         """The tokenizer of the pretrained model."""
         path = self.config.model.pretrained_model_name_or_path
         assert path is not None
-        return load_tokenizer(path)
+        return load_tokenizer(path, self.config.model.trust_remote_code)
 
     def build_model(self) -> nn.Module:
         path = self.config.model.pretrained_model_name_or_path
@@ -168,7 +168,8 @@ class Finetuner(Trainer):
             # The model's own plan (base_model_tp_plan), applied while loading: each rank
             # reads only its shards; the engine's tensor-parallel step then reports it.
             kwargs.update(tp_plan="auto", device_mesh=tp_mesh)
-        model = load_model(path, self.task.auto_class, **kwargs)
+        trust = self.config.model.trust_remote_code
+        model = load_model(path, self.task.auto_class, trust_remote_code=trust, **kwargs)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "output_router_logits"):
             # An MoE family (Mixtral, Qwen-MoE ...): have it return its load-balancing loss,

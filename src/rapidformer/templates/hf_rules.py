@@ -48,7 +48,11 @@ def hf_parallel_violations(config: RapidformerConfig) -> list[Violation]:
                 "--tensor-model-parallel-size / ZeRO for fine-tuning",
             )
         )
-    if parallel.tensor_model_parallel_size > 1 and path is not None and not tp_plan_of(path):
+    if (
+        parallel.tensor_model_parallel_size > 1
+        and path is not None
+        and not tp_plan_of(path, config.model.trust_remote_code)
+    ):
         violations.append(
             Violation(
                 "--tensor-model-parallel-size",

@@ -12,7 +12,7 @@ the moment it is loaded, before a single tensor is read. A manifest's checksums 
   scanned with :mod:`pickletools` and each global it names is checked against
   :data:`ALLOWED_GLOBALS`; anything else is refused with the file and the global named
   (:class:`UnsafeCheckpointError`), before the loader runs;
-* ``--trust-checkpoint`` turns both off for a checkpoint the user trusts (:func:`trusting`).
+* ``--trust-checkpoint`` turns both off for a checkpoint the user trusts (:func:`set_trust`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 
 from rapidformer.errors import CheckpointError
 from rapidformer.logging import log
@@ -98,28 +100,36 @@ LEGACY_SAFE_GLOBALS: list[Any] = []
 (numpy's state array): filled on first use, numpy imported late."""
 
 _trusted = False
+_warned = False
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file names a global outside the allowlist."""
+    """A checkpoint file names a global outside the allowlist, or holds more than tensors and
+    plain containers."""
+
+
+def set_trust(trust: bool) -> None:
+    """``--trust-checkpoint``: with ``trust``, nothing is scanned and rapidformer's files load
+    as any pickle (the log warns once per process). Every engine sets it from its config."""
+    global _trusted, _warned
+    if trust and not _warned:
+        log.warning(
+            "--trust-checkpoint: checkpoint files are unpickled without the allowlist scan; "
+            "a file from an untrusted source can run any code on this machine"
+        )
+        _warned = True
+    _trusted = trust
 
 
 @contextlib.contextmanager
 def trusting(trust: bool) -> Iterator[None]:
-    """Within it, with ``trust``, nothing is scanned and rapidformer's files load as any
-    pickle (``--trust-checkpoint``; warned once per process)."""
-    global _trusted
+    """:func:`set_trust` for a block, restored after it."""
     previous = _trusted
-    if trust and not previous:
-        log.warning(
-            "--trust-checkpoint: checkpoint files are unpickled without the allowlist "
-            "scan; a file from an untrusted source can run any code on this machine"
-        )
-    _trusted = trust or previous
+    set_trust(trust)
     try:
         yield
     finally:
-        _trusted = previous
+        set_trust(previous)
 
 
 def is_trusted() -> bool:
@@ -246,3 +256,42 @@ def _legacy_safe_globals() -> list[Any]:
             [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("uint32"))]
         )
     return LEGACY_SAFE_GLOBALS
+
+
+# ---- foreign loaders -----------------------------------------------------------------------
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's default load planner, except that the non-tensor items
+    (learning rates, step counts) are read with ``weights_only=True``: DCP's own planner
+    unpickles them as anything."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = torch.load(value, weights_only=True)
+
+
+def dcp_load_planner() -> DefaultLoadPlanner:
+    """The planner for ``dcp.load``: DCP's own under ``--trust-checkpoint``, else one that
+    reads non-tensor items as plain values only. Call :func:`scan_dcp` first."""
+    return DefaultLoadPlanner() if _trusted else _WeightsOnlyPlanner()
+
+
+def scan_dcp(directory: Path) -> None:
+    """Scan a DCP checkpoint's ``.metadata`` (DCP reads it with a plain ``pickle.load``)."""
+    metadata = directory / ".metadata"
+    if not metadata.is_file():
+        raise CheckpointError(f"{metadata} is missing: not a complete DCP checkpoint")
+    scan_file(metadata)
+
+
+def hugging_face_weights(directory: str | Path) -> dict[str, Any]:
+    """``from_pretrained`` keywords that keep a local model directory's weights safe:
+    safetensors where the directory has them (no pickle at all), else its ``.bin`` files,
+    scanned first. Nothing for a hub name (transformers reads hub ``.bin`` files with
+    ``weights_only=True``)."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        return {}
+    if any(path.glob("*.safetensors")):
+        return {"use_safetensors": True}
+    scan_files(sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")))
+    return {}
