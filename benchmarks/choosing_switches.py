@@ -26,7 +26,7 @@ from common import ROOT, argument_parser, footer, stamp
 
 from rapidformer import RapidformerConfig
 from rapidformer.dryrun import Workload, climb, worst_rank
-from rapidformer.dryrun.fit import USABLE_FRACTION
+from rapidformer.dryrun.fit import USABLE_FRACTION, parse_memory
 from rapidformer.models.gpt import GPTConfig, GPTModel
 
 MODELS = {  # name: layers, hidden, heads (GPT-3's shapes; 1.3B with 16 heads of 128)
@@ -71,7 +71,7 @@ def rungs(model: str, gpus: int) -> list[dict[str, Any]]:
     plain = {"switches": "bf16 alone", "flags": ["--precision bf16"], "worst_gib": None}
     plain["worst_gib"] = round(worst_rank(config, gpus, work) / GIB, 2)
     found = [plain]
-    smallest = int(min(DEVICES_GB) * 1e9)
+    smallest = parse_memory(f"{min(DEVICES_GB)}GB")
     if plain["worst_gib"] * GIB <= USABLE_FRACTION * smallest:
         return found  # fits every device as it is
     for suggestion in climb(config, gpus, work, device_memory=smallest):
@@ -88,7 +88,7 @@ def rungs(model: str, gpus: int) -> list[dict[str, Any]]:
 
 
 def first_fit(found: list[dict[str, Any]], device_gb: int) -> dict[str, Any] | None:
-    usable = USABLE_FRACTION * device_gb * 1e9 / GIB  # sold in GB; the fit check in GiB
+    usable = USABLE_FRACTION * parse_memory(f"{device_gb}GB") / GIB  # as --device-memory
     for rung in found:
         if rung["worst_gib"] is not None and rung["worst_gib"] <= usable:
             return rung

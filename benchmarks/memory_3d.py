@@ -27,9 +27,7 @@ allocator's slack, which the published peaks include.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from common import argument_parser, stamp, write_results
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from rapidformer import RapidformerConfig
 from rapidformer.accel.eager import EagerForwardBackward
@@ -38,6 +36,7 @@ from rapidformer.accel.stepper import TorchStepper
 from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.distributed import ParallelDims, ParallelMesh
 from rapidformer.dryrun import Workload, dry_run
+from rapidformer.dryrun.simulate import fake_world
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import TrainState
 
@@ -64,9 +63,7 @@ PUBLISHED_MB = {  # shared/REFERENCE.md: peak memory per GPU, MB
 def held_parameters(model: GPTConfig, tp: int, pp: int, rank: int) -> int:
     """Elements of the parameters ``rank`` of a tp x pp world holds."""
     world = tp * pp
-    if world > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
+    with fake_world(world, rank):  # torch's fake process group (any existing one set aside)
         dims = ParallelDims(world_size=world, tp=tp, pp=pp, rank=rank)
         mesh = ParallelMesh.build(dims, "cpu")
         config = RapidformerConfig.from_dict(
@@ -95,9 +92,6 @@ def held_parameters(model: GPTConfig, tp: int, pp: int, rank: int) -> int:
                     local = param.to_local() if hasattr(param, "to_local") else param
                     total += local.numel()
         return total
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 DATA_PARALLEL_ROWS: dict[str, tuple[dict[str, object], int]] = {  # flags, published MB

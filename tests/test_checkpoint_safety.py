@@ -9,6 +9,7 @@ Real checkpoints of every format still scan clean; ``--trust-checkpoint`` is the
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -25,7 +26,10 @@ from rapidformer.checkpoint.integrity import write_manifest
 from rapidformer.errors import CheckpointError, exit_code_of
 from rapidformer.safe_load import (
     ALLOWED_GLOBALS,
+    RestrictedUnpickler,
     UnsafeCheckpointError,
+    dcp_load_planner,
+    dcp_reader,
     load_file,
     pickle_globals,
     scan_file,
@@ -106,15 +110,54 @@ def test_a_state_dict_names_only_allowed_globals(tmp_path: Path) -> None:
         assert names and names <= ALLOWED_GLOBALS, names
 
 
-def test_an_unresolvable_stack_global_is_refused(tmp_path: Path) -> None:
-    """STACK_GLOBAL whose names do not come from plain strings: refused, not guessed."""
-    # PROTO 4, two names built by concatenation are not possible in pickle, so use an
-    # integer where a name should be: the scanner cannot name the callable.
-    data = b"\x80\x04K\x01K\x02\x93)R."
-    assert "<unresolved STACK_GLOBAL>" in set(pickle_globals(data))
-    (tmp_path / "odd.pkl").write_bytes(data)
-    with pytest.raises(UnsafeCheckpointError, match="unresolved"):
-        scan_file(tmp_path / "odd.pkl")
+def test_names_the_scan_cannot_resolve_are_refused() -> None:
+    """A STACK_GLOBAL whose names are not plain strings, a copyreg extension code: refused, not
+    guessed; the restricted unpickler refuses them too (every import goes through find_class)."""
+    unresolved = b"\x80\x04K\x01K\x02\x93)R."  # STACK_GLOBAL over two integers
+    extension = b"\x80\x02\x82\x01)R."  # EXT1 1: copyreg's extension registry
+    assert "<unresolved STACK_GLOBAL>" in set(pickle_globals(unresolved))
+    assert "<copyreg extension code 1>" in set(pickle_globals(extension))
+    for data in (pickle.dumps(Payload(Path("m")), protocol=4), extension):
+        with pytest.raises((UnsafeCheckpointError, pickle.UnpicklingError, ValueError)):
+            RestrictedUnpickler(io.BytesIO(data), "test").load()
+
+
+def test_files_torch_would_read_past_the_scan_are_refused(tmp_path: Path) -> None:
+    """torch.load decides the format from the first bytes and reads zip records with its own
+    reader; the scan does the same. A pickle with a zip appended (Python's zipfile finds the
+    zip, torch.load unpickles the leading pickle) and torch's older non-zip formats are refused."""
+    marker = tmp_path / "MARKER"
+    disguised = tmp_path / "disguised.pt"
+    torch.save({"x": torch.ones(1)}, tmp_path / "clean.pt")
+    disguised.write_bytes(pickle.dumps(Payload(marker)) + (tmp_path / "clean.pt").read_bytes())
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"x": torch.ones(128)}, legacy, _use_new_zipfile_serialization=False)
+    for file in (disguised, legacy):
+        with pytest.raises(UnsafeCheckpointError, match="not in torch's zip format"):
+            scan_file(file)
+        with pytest.raises(UnsafeCheckpointError):
+            load_file(file)
+    assert not marker.exists()
+
+
+def test_dcp_reads_back_the_saved_non_tensor_values(tmp_path: Path) -> None:
+    """DCP's planner puts non-tensor items into the caller's nested dict; the weights-only
+    planner must too (a learning rate saved as 0.5 comes back as 0.5, not the template's)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"optimizer": {"param_groups": {"w": {"lr": 0.5, "betas": (0.8, 0.9)}}}}
+    saved["optimizer"]["state"] = {"w": {"exp_avg": torch.arange(3.0)}}
+    dcp.save(saved, checkpoint_id=tmp_path / "c", no_dist=True)
+    template = {"optimizer": {"param_groups": {"w": {"lr": 1e-3, "betas": (0.0, 0.0)}}}}
+    template["optimizer"]["state"] = {"w": {"exp_avg": torch.zeros(3)}}
+    dcp.load(
+        template,
+        storage_reader=dcp_reader(tmp_path / "c"),
+        planner=dcp_load_planner(),
+        no_dist=True,
+    )
+    assert template["optimizer"]["param_groups"]["w"] == {"lr": 0.5, "betas": (0.8, 0.9)}
+    assert torch.equal(template["optimizer"]["state"]["w"]["exp_avg"], torch.arange(3.0))
 
 
 def test_own_files_are_read_as_tensors_and_plain_values_only(tmp_path: Path) -> None:
@@ -135,7 +178,7 @@ def test_no_weights_only_false_outside_the_trusted_path() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"weights_only\s*=\s*False", line)
     ]
-    assert hits == ["src/rapidformer/safe_load.py:" + hits[0].split(":")[1]], hits
+    assert len(hits) == 1 and hits[0].startswith("src/rapidformer/safe_load/loaders.py:"), hits
     line = (ROOT / hits[0].split(":")[0]).read_text().splitlines()[int(hits[0].split(":")[1]) - 1]
     assert "--trust-checkpoint" in line
 
@@ -171,7 +214,8 @@ def test_a_dcp_checkpoint_of_two_ranks_with_a_payload_is_refused_on_one(tmp_path
     flags = ("--train-iters", "2", "--micro-batch-size", "4", "--zero-3-memory-optimization")
     run_distributed(_fit, 2, *flags, "--save", str(save))
     metadata = save / "iter_0000002" / "sharded" / ".metadata"
-    scan_file(metadata)  # the real one passes
+    with metadata.open("rb") as stream:  # the real one passes the restricted unpickler
+        RestrictedUnpickler(stream, str(metadata)).load()
     _plant(metadata, marker, zip_format=False)
     done = _rapidformer(*RUN, "--train-iters", "4", "--load", str(save))
     _assert_refused(done, metadata, marker)

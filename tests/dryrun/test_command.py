@@ -191,3 +191,27 @@ def test_rules_about_this_machine_do_not_bind_a_plan_for_gpus(
                 (i and real[i - 1] == "--dry-run-world-size"))]  # fmt: skip
         assert main(real) == 2, flags
         assert "GPU" in capsys.readouterr().err
+
+
+def test_a_process_that_already_has_a_process_group_keeps_it() -> None:
+    """A notebook that trained, or a DeepSpeed engine's group of one (which stays for the
+    process's lifetime): the dry run sets that group aside for its fake ranks and puts it
+    back untouched."""
+    code = (
+        "import torch.distributed as dist\n"
+        "from rapidformer import parse_args\n"
+        "from rapidformer.dryrun.command import run_dry_run\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "outer = dist.group.WORLD\n"
+        f"flags = {[*GPT_1_3B, '--num-layers', '2', '--hidden-size', '64']!r}\n"
+        "flags += ['--num-attention-heads', '4', '--seq-length', '32', '--global-batch-size',\n"
+        "          '8', '--dry-run-world-size', '4', '--tensor-model-parallel-size', '2']\n"
+        "report = run_dry_run(parse_args(flags))\n"
+        "assert len(report.ranks) == 4 and dist.group.WORLD is outer\n"
+        "dist.barrier()\n"
+        "print('KEPT', dist.get_world_size())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "KEPT 1" in done.stdout, done.stderr[-3000:]

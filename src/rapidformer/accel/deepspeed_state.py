@@ -17,7 +17,7 @@ import torch
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
 from rapidformer.memory import StateBytes, held_bytes, state_slots
-from rapidformer.safe_load import scan_files
+from rapidformer.safe_load import deepspeed_loading
 from rapidformer.state import TrainState
 
 TAG = "deepspeed"
@@ -54,10 +54,10 @@ class DeepSpeedFormat:
                 f"{ranks}: resume on {saved_ranks} ranks, or use the native backend (its "
                 "checkpoints reshard to any rank count)"
             )
-        scan_files(deepspeed_files(directory))  # DeepSpeed unpickles them as anything
-        path, _ = self.engine.load_checkpoint(
-            str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        with deepspeed_loading(deepspeed_files(directory)):  # through the allowlist
+            path, _ = self.engine.load_checkpoint(
+                str(directory), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if path is None:
             raise CheckpointError(f"no DeepSpeed checkpoint in {directory / TAG}")
 
@@ -87,8 +87,8 @@ def read_model_state(directory: Path) -> dict[str, torch.Tensor]:
     process group: DeepSpeed's zero_to_fp32 merges the ranks' partition files)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    scan_files(deepspeed_files(directory))  # zero_to_fp32 unpickles them as anything
-    state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
+    with deepspeed_loading(deepspeed_files(directory)):  # through the allowlist
+        state = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)
     return {name: tensor.contiguous() for name, tensor in state.items()}
 
 

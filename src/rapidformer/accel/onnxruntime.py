@@ -328,7 +328,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             f"{flag} trains in fp32: the exported graph would not contain torch's autocast",
             f"use --precision fp32 {drop}",
         )
-    if not _ort_importable():
+    if context.on_this_machine and not _ort_importable():
         yield Violation(
             flag,
             True,

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
-from rapidformer.safe_load import dcp_load_planner, load_file, scan_dcp
+from rapidformer.safe_load import dcp_load_planner, dcp_reader, load_file
 from rapidformer.state import CheckpointFormat, TrainState
 
 SHARDED = "sharded"
@@ -161,8 +161,9 @@ class DistributedFormat:
             content["optimizer"] = get_optimizer_state_dict(
                 _single_part(state), state.optimizer, options=_FLAT
             )
-        scan_dcp(directory / SHARDED)  # before DCP unpickles its metadata
-        dcp.load(content, checkpoint_id=directory / SHARDED, planner=dcp_load_planner())
+        # Its metadata through the allowlist, its non-tensor items as plain values.
+        reader, planner = dcp_reader(directory / SHARDED), dcp_load_planner()
+        dcp.load(content, storage_reader=reader, planner=planner)
         for part, template in zip(state.model_parts, templates, strict=True):
             set_model_state_dict(part, {name: content["model"][name] for name in template})
         if state.optimizer is not None:
@@ -237,8 +238,7 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
     """Read every rank's model shards of a DCP checkpoint into whole tensors, in this process
     and without the optimizer state: the metadata gives each tensor's shape and dtype, DCP
     fills them from whichever files hold the pieces."""
-    scan_dcp(directory / SHARDED)  # before DCP unpickles it
-    metadata = dcp.FileSystemReader(directory / SHARDED).read_metadata()
+    metadata = dcp_reader(directory / SHARDED).read_metadata()
     template: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
@@ -246,7 +246,8 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
                 item.size, dtype=item.properties.dtype
             )
     content = {"model": template}
-    dcp.load(content, checkpoint_id=directory / SHARDED, no_dist=True, planner=dcp_load_planner())
+    reader, planner = dcp_reader(directory / SHARDED), dcp_load_planner()
+    dcp.load(content, storage_reader=reader, planner=planner, no_dist=True)
     return content["model"]
 
 

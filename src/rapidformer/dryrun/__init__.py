@@ -179,6 +179,8 @@ def _changed_flags(before: RapidformerConfig, after: RapidformerConfig) -> list[
             continue
         if spec.kind is bool:
             flags.append(spec.flag if new else f"(without {spec.flag})")
-        elif new is not None:
+        elif new is None:
+            flags.append(f"(without {spec.flag})")
+        else:
             flags.append(f"{spec.flag} {new}")
     return flags

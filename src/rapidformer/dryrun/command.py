@@ -10,7 +10,8 @@ from rapidformer.config.env import LaunchEnv
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.dryrun import DryRunReport, dry_run
 from rapidformer.dryrun.fit import parse_memory
-from rapidformer.dryrun.workload import pretraining_workload
+from rapidformer.dryrun.workload import check_task, pretraining_workload
+from rapidformer.engine.validation import validate
 
 REPORT_FILE = "dry_run.json"
 
@@ -35,6 +36,10 @@ def run_dry_run(config: RapidformerConfig) -> DryRunReport:
     planning = config.planning
     world_size = planning.dry_run_world_size or LaunchEnv.read().world_size
     memory, source = device_memory(config)  # a bad --device-memory fails before any work
+    check_task(config)
+    # Every flag checked as a real run checks it, before the model is built from them.
+    extra = Pretrainer.config_violations(config)
+    validate(config, world_size, extra=extra, on_this_machine=False)
     warnings: list[str] = []
     work, model = pretraining_workload(config, warnings)
     report = dry_run(
@@ -44,10 +49,10 @@ def run_dry_run(config: RapidformerConfig) -> DryRunReport:
         model,
         device_memory=memory,
         device_source=source,
-        extra_violations=Pretrainer.config_violations(config),
+        extra_violations=extra,
         warnings=warnings,
     )
-    if config.checkpoint.save is not None:
+    if config.checkpoint.save is not None and LaunchEnv.read().rank == 0:
         path = Path(config.checkpoint.save) / REPORT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report.to_dict(), indent=1) + "\n")

@@ -3,12 +3,14 @@
 Per rank, the device holds at its peak:
 
 * **model state**: parameters, gradients and optimizer state, exactly as the rank's memory
-  report counts them (:mod:`rapidformer.dryrun.simulate`); in host memory instead under
-  ``--cpu-offload`` with ZeRO-2/3;
+  report counts them (:mod:`rapidformer.dryrun.simulate`); under ``--cpu-offload`` part of
+  it in host memory (all of it natively, the optimizer state under DeepSpeed, and the
+  parameters too at its stage 3);
 * **buffers**: DDP's gradient buckets (a second copy of the gradients), or FSDP2's gathered
   parameters (ZeRO-2 gathers a rank's whole model for the forward and keeps it until the
-  backward ends; ZeRO-3 one block at a time, with the next one prefetched) and one block's
-  unsharded gradients before their reduce-scatter;
+  backward ends, as ZeRO-3 does under a pipeline; otherwise ZeRO-3 gathers one block at a time,
+  with the next one prefetched) and one block's unsharded gradients before their
+  reduce-scatter;
 * **activations**: one micro-batch's, counted on the meta device
   (:mod:`rapidformer.dryrun.activations`), times the micro-batches a pipeline stage holds at
   once: with ``m`` micro-batches per step, GPipe holds ``m``, 1F1B ``min(m, pp - r)`` on
@@ -65,7 +67,8 @@ class RankMemory:
     rank: int
     position: dict[str, int]
     state: StateBytes
-    state_offloaded: bool
+    offloaded: int
+    """Model-state bytes in host memory under ``--cpu-offload``."""
     buffers: int
     buffers_what: str
     micro_batch: MicroBatchActivations
@@ -75,7 +78,7 @@ class RankMemory:
 
     @property
     def device_state(self) -> int:
-        return 0 if self.state_offloaded else self.state.total
+        return self.state.total - self.offloaded
 
     @property
     def total(self) -> int:
@@ -136,12 +139,11 @@ def rank_memory(
             if profiles is not None:
                 profiles[dims.pp_rank] = profile
         buffers, what = _buffers(config, state, held, profile)
-    offloaded = config.memory.cpu_offload and _fsdp(config, dims)
     return RankMemory(
         rank=dims.rank,
         position={"tp": dims.tp_rank, "pp": dims.pp_rank, "dp": dims.dp_rank},
         state=held,
-        state_offloaded=offloaded,
+        offloaded=_offloaded(config, dims, held),
         buffers=buffers,
         buffers_what=what,
         micro_batch=profile.micro_batch,
@@ -179,6 +181,23 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
         largest_unit=max(units, default=0),
         in_units=sum(units),
     )
+
+
+def zero_stage(config: RapidformerConfig) -> int:
+    """The ZeRO stage the sharding flags ask for (OSS = 1, SDP = 2, FSDP = 3; 0 for none)."""
+    mode = sharding_mode(config)
+    return {"oss": 1, "sdp": 2, "fsdp": 3}[mode[0]] if mode is not None else 0
+
+
+def _offloaded(config: RapidformerConfig, dims: ParallelDims, held: StateBytes) -> int:
+    """What ``--cpu-offload`` keeps in host memory: natively (FSDP2's CPUOffloadPolicy) all
+    the sharded state; DeepSpeed's ZeRO-Offload the optimizer state, and at stage 3 the
+    parameters too."""
+    if not config.memory.cpu_offload:
+        return 0
+    if config.memory.zero_backend == "deepspeed":
+        return held.optimizer + (held.parameters if zero_stage(config) == 3 else 0)
+    return held.total if _fsdp(config, dims) else 0
 
 
 def _fsdp(config: RapidformerConfig, dims: ParallelDims) -> bool:
@@ -245,9 +264,11 @@ def _buffers(
     if mode is not None and _fsdp(config, dims):
         size = 2 if config.precision.resolved in _LOW else 4
         largest = profile.largest_unit
-        if mode[0] == "sdp":
+        if mode[0] == "sdp" or dims.pp > 1:
+            # ZeRO-2 keeps the gathered parameters until the backward; under a pipeline
+            # ZeRO-3 does too (sharding.py: no resharding between a stage's micro-batches).
             gathered = profile.elements * size
-            what = "FSDP2 (ZeRO-2): every parameter gathered from forward to backward"
+            what = "FSDP2: every parameter of this rank gathered from forward to backward"
         else:
             # The root unit (embeddings, head) and two blocks (one prefetched).
             root = profile.elements - profile.in_units

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.dryrun.estimate import zero_stage
 from rapidformer.errors import ConfigError
 
 USABLE_FRACTION = 0.9
@@ -27,8 +28,9 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_memory(text: str) -> int:
-    """``"80GB"``, ``"80GiB"``, ``"81920MB"``, ``"24g"`` -> bytes (binary units: a GPU sold
-    as 80 GB holds 80 GiB)."""
+    """``"80GB"``, ``"80GiB"``, ``"81920MB"``, ``"24g"`` -> bytes, in binary units: GPUs are
+    sold by the GiB they report (an "80 GB" H100 reports 79.6 GiB, a "24 GB" card 24.0), so
+    read the size nvidia-smi prints (MiB) for the exact figure."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if match is None:
         raise ConfigError.single(
@@ -77,12 +79,7 @@ def _sharding(stage: int) -> dict[str, object]:
 
 
 def _stage(config: RapidformerConfig) -> int:
-    flags = config.memory.sharding_flags
-    if not flags:
-        return 0
-    return {"oss": 1, "oss-sdp": 2, "fsdp": 3, "zero-1": 1, "zero-2": 2, "zero-3": 3}.get(
-        flags[0].removeprefix("--").removesuffix("-memory-optimization"), 0
-    )
+    return zero_stage(config)
 
 
 def _recompute_rank(config: RapidformerConfig) -> int:
@@ -106,7 +103,7 @@ LADDER: tuple[Rung, ...] = (
     Rung("full recompute", "recompute", _FULL, lambda c, w: _recompute_rank(c) < 2),
     Rung("ZeRO-3", "zero", _sharding(3), lambda c, w: _dp(c, w) > 1 and _stage(c) < 3),
     Rung("CPU offload", "offload", {"cpu_offload": True},
-         lambda c, w: _stage(c) >= 2 and not c.memory.cpu_offload),
+         lambda c, w: _dp(c, w) > 1 and _stage(c) >= 2 and not c.memory.cpu_offload),
 )  # fmt: skip
 """The switches in the order they are tried (tensor and pipeline parallelism follow)."""
 

@@ -125,7 +125,11 @@ class DryRunReport:
 def _rank_line(rank: RankMemory) -> str:
     position = ", ".join(f"{axis} {index}" for axis, index in rank.position.items())
     state = rank.state
-    where = " (in host memory: --cpu-offload)" if rank.state_offloaded else ""
+    where = (
+        f", of which {rank.offloaded / GIB:.2f} in host memory (--cpu-offload)"
+        if rank.offloaded
+        else ""
+    )
     return (
         f"rank {rank.rank} ({position}): total {rank.total / GIB:.2f} = model state "
         f"{state.total / GIB:.2f}{where} [parameters {state.parameters / GIB:.2f}, gradients "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
 
 from rapidformer.accel.checkpointing import apply_activation_checkpointing
 from rapidformer.accel.compile import apply_compile
@@ -72,21 +73,27 @@ ModelBuilder = Callable[[], nn.Module]
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """torch's ``fake`` process group as ``rank`` of ``world_size`` (none for one rank): no
-    network, no peers, collectives return at once."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a dry run simulates its own ranks and needs a process without a process group"
-        )
+    network, no peers, collectives return at once.
+
+    A process that already has a process group (a notebook that trained, a DeepSpeed engine's
+    group of one, which stays for the process's lifetime) keeps it: its group state is set
+    aside for the simulation and put back after, untouched."""
     # Each init wraps sys.excepthook to prefix "[rankN]: " to tracebacks; the simulated ranks
     # must not stack their prefixes on this process's.
     excepthook = sys.excepthook
-    if world_size > 1:
-        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    outer = c10d._world if dist.is_initialized() else None
+    if outer is not None:
+        c10d._world = c10d._World()
     try:
+        if world_size > 1:
+            # No store: torch then uses its fake store (and registers the fake backend).
+            dist.init_process_group("fake", rank=rank, world_size=world_size)
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if outer is not None:
+            c10d._world = outer
         sys.excepthook = excepthook
 
 

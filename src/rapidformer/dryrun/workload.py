@@ -17,15 +17,7 @@ DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
 def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tuple[Workload, str]:
     """The built-in model the flags describe and an empty micro-batch of ``--seq-length``
     tokens; data paths are only checked for existence (a warning each)."""
-    if config.training.task != "pretraining" or config.training.user_script is not None:
-        raise ConfigError.single(
-            "--dry-run",
-            True,
-            "a dry run measures the built-in models of --task pretraining (GPT, BERT); "
-            "fine-tuning tasks and --user-script models are not built without their weights "
-            "or code",
-            "drop --dry-run, or estimate the same shape with --task pretraining",
-        )
+    check_task(config)
     data, model = config.data, config.model
     assert data.tokenizer_type is not None and model.seq_length is not None
     family = family_for(data.tokenizer_type)
@@ -52,6 +44,19 @@ def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tupl
         f"{parameters:,} parameters"
     )
     return work, description
+
+
+def check_task(config: RapidformerConfig) -> None:
+    """Refuse what a dry run cannot build: anything but the built-in pretraining models."""
+    if config.training.task != "pretraining" or config.training.user_script is not None:
+        raise ConfigError.single(
+            "--dry-run",
+            True,
+            "a dry run measures the built-in models of --task pretraining (GPT, BERT); "
+            "fine-tuning tasks and --user-script models are not built without their weights "
+            "or code",
+            "drop --dry-run, or estimate the same shape with --task pretraining",
+        )
 
 
 def _vocab_size(config: RapidformerConfig, family: str, warnings: list[str]) -> int:

@@ -84,10 +84,11 @@ class RapidformerEngine:
         )
         self.config = config
         self.env = env
-        # Before anything loads: whether checkpoint files are scanned (--trust-checkpoint).
-        safe_load.set_trust(config.checkpoint.trust_checkpoint)
         if env.rank == 0:
             setup_console_logging()  # only rank 0 speaks; the plan is logged at compose()
+        # Before anything loads: whether checkpoint files are scanned (--trust-checkpoint);
+        # close() clears it, so that nothing loaded later in this process inherits it.
+        safe_load.set_trust(config.checkpoint.trust_checkpoint, warn=env.rank == 0)
         self.device = process_group.pick_device(env)
         self._owns_process_group = process_group.init_process_group(
             env, self.device, config.parallel.distributed_timeout_minutes
@@ -281,6 +282,7 @@ class RapidformerEngine:
         if self._owns_process_group:
             process_group.destroy_process_group()
             self._owns_process_group = False
+        safe_load.set_trust(False)
 
     def _require_state(self) -> TrainState:
         if self.state is None:
