@@ -148,7 +148,9 @@ def page(result: dict[str, Any]) -> list[str]:
         "",
         f"Each cell: the first rung whose worst rank fits in {USABLE_FRACTION:.0%} of the GPU "
         "(the rest is left to the CUDA context, workspaces and the allocator), and the dry "
-        'run\'s estimate of that rank in GiB. "-": nothing on the ladder fits; use more GPUs.',
+        'run\'s estimate of that rank in GiB. "-": nothing on the ladder fits; use more GPUs. '
+        "Sizes are read as `--device-memory` reads them, in the GiB GPUs report (24 GB = 24 "
+        'GiB; an "80 GB" H100 reports 79.6).',
         "",
     ]
     for gpus in result["gpus"]:
