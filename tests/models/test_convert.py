@@ -119,6 +119,8 @@ def test_gpt_export_gives_the_same_logits(tmp_path: Path) -> None:
     export_hugging_face(model, tmp_path)
     hf_config = json.loads((tmp_path / "config.json").read_text())
     assert hf_config["activation_function"] == "gelu_new" and hf_config["n_inner"] == 128
+    # Exports carry no pickle: safetensors only.
+    assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded).__name__ == "GPT2LMHeadModel" and count(loaded) == count(model)
     ids, mask, _ = batch()
