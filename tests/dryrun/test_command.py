@@ -209,6 +209,11 @@ def test_a_process_that_already_has_a_process_group_keeps_it() -> None:
         "report = run_dry_run(parse_args(flags))\n"
         "assert len(report.ranks) == 4 and dist.group.WORLD is outer\n"
         "dist.barrier()\n"
+        "assert dist.get_rank() == 0 and dist.get_rank(outer) == 0\n"
+        "import torch, torch.distributed.checkpoint as dcp, tempfile\n"
+        "dcp.save({'x': torch.ones(2)}, checkpoint_id=tempfile.mkdtemp())  # reads the group\n"
+        "import torch.distributed._functional_collectives as funcol\n"
+        "assert funcol.all_reduce(torch.ones(1), 'sum', outer).item() == 1  # by its name\n"
         "print('KEPT', dist.get_world_size())\n"
     )
     done = subprocess.run(

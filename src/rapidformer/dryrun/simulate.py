@@ -20,6 +20,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,20 +71,31 @@ ModelBuilder = Callable[[], nn.Module]
 """Builds the whole model on the meta device."""
 
 
+_GROUP_STATE = (
+    "_pg_map",
+    "_pg_names",
+    "_pg_group_ranks",
+    "_pg_backend_config",
+    "_group_count",
+    "_tags_to_pg",
+    "_pg_to_tag",
+)
+"""torch.distributed's module-level group registries (its ``_world`` object reads them)."""
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """torch's ``fake`` process group as ``rank`` of ``world_size`` (none for one rank): no
     network, no peers, collectives return at once.
 
     A process that already has a process group (a notebook that trained, a DeepSpeed engine's
-    group of one, which stays for the process's lifetime) keeps it: its group state is set
-    aside for the simulation and put back after, untouched."""
+    group of one, which stays for the process's lifetime) keeps it: torch.distributed's group
+    state is set aside for the simulation and put back after it, with the groups' names
+    registered again (tearing the fake group down unregisters every name)."""
     # Each init wraps sys.excepthook to prefix "[rankN]: " to tracebacks; the simulated ranks
     # must not stack their prefixes on this process's.
     excepthook = sys.excepthook
-    outer = c10d._world if dist.is_initialized() else None
-    if outer is not None:
-        c10d._world = c10d._World()
+    outer = _set_aside_groups() if dist.is_initialized() else None
     try:
         if world_size > 1:
             # No store: torch then uses its fake store (and registers the fake backend).
@@ -93,8 +105,37 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         if dist.is_initialized():
             dist.destroy_process_group()
         if outer is not None:
-            c10d._world = outer
+            _restore_groups(outer)
         sys.excepthook = excepthook
+
+
+def _set_aside_groups() -> tuple[Any, dict[str, Any]]:
+    saved = {name: getattr(c10d, name) for name in _GROUP_STATE}
+    for name in saved["_pg_names"].values():  # the fake groups take the same names
+        c10d._unregister_process_group(name)
+    world = c10d._world
+    c10d._world = c10d._World()
+    for name, value in saved.items():
+        setattr(c10d, name, 0 if isinstance(value, int) else type(value)())
+    return world, saved
+
+
+def _restore_groups(outer: tuple[Any, dict[str, Any]]) -> None:
+    world, saved = outer
+    c10d._world = world
+    for name, value in saved.items():
+        setattr(c10d, name, value)
+    for group, name in c10d._pg_names.items():
+        # The fake groups were named as the process's own are ("0", "1", ...): the names
+        # must resolve to the process's groups again.
+        try:
+            registered = c10d._resolve_process_group(name)
+        except (RuntimeError, ValueError):
+            registered = None
+        if registered is not group:
+            if registered is not None:
+                c10d._unregister_process_group(name)
+            c10d._register_process_group(name, group)
 
 
 def simulated_config(config: RapidformerConfig) -> RapidformerConfig:
