@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from common import ROOT, argument_parser, footer, stamp
 
 from rapidformer import RapidformerConfig
-from rapidformer.dryrun import Workload, climb, worst_rank
+from rapidformer.dryrun import Workload, climb, gpt_workload, worst_rank
 from rapidformer.dryrun.fit import USABLE_FRACTION, parse_memory
-from rapidformer.models.gpt import GPTConfig, GPTModel
+from rapidformer.models.gpt import GPTConfig
 
 MODELS = {  # name: layers, hidden, heads (GPT-3's shapes; 1.3B with 16 heads of 128)
     "125M": (12, 768, 12),
@@ -48,16 +46,7 @@ def workload(layers: int, hidden: int, heads: int) -> Workload:
         vocab_size=VOCAB, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         max_position_embeddings=SEQ, dropout=0.0,
     )  # fmt: skip
-    return Workload(
-        build=lambda: GPTModel.build(shape, "meta"),
-        batch={"input_ids": torch.zeros(MICRO, SEQ, dtype=torch.long, device="meta")},
-        inputs=lambda batch: (batch["input_ids"],),
-        loss=lambda out, batch: F.cross_entropy(
-            out.flatten(0, 1).float(), batch["input_ids"].flatten()
-        ),
-        hidden_size=hidden,
-        seq_length=SEQ,
-    )
+    return gpt_workload(shape, MICRO)
 
 
 def rungs(model: str, gpus: int) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from rapidformer.accel.pipeline import apply_pipeline
 from rapidformer.accel.stepper import TorchStepper
 from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.distributed import ParallelDims, ParallelMesh
-from rapidformer.dryrun import Workload, dry_run
+from rapidformer.dryrun import dry_run, gpt_workload
 from rapidformer.dryrun.simulate import fake_world
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import TrainState
@@ -106,24 +106,11 @@ DATA_PARALLEL_ROWS: dict[str, tuple[dict[str, object], int]] = {  # flags, publi
 
 def dry_run_total(model: GPTConfig, world: int, flags: dict[str, object]) -> dict[str, float]:
     """The dry run's worst rank (MiB) for the reference's settings plus ``flags``."""
-    import torch.nn.functional as F
-
     config = RapidformerConfig.from_dict(
         {"micro_batch_size": 1, "global_batch_size": 4, "mixed_precision": True, "lr": 1e-4,
          "train_iters": 1, "seq_length": model.max_position_embeddings, **flags}
     )  # fmt: skip
-    ids = torch.zeros(1, model.max_position_embeddings, dtype=torch.long, device="meta")
-    work = Workload(
-        build=lambda: GPTModel.build(model, "meta"),
-        batch={"input_ids": ids},
-        inputs=lambda batch: (batch["input_ids"],),
-        loss=lambda out, batch: F.cross_entropy(
-            out.flatten(0, 1).float(), batch["input_ids"].flatten()
-        ),
-        hidden_size=model.hidden_size,
-        seq_length=model.max_position_embeddings,
-    )
-    worst = dry_run(config, world, work, "GPT 1.3B").worst
+    worst = dry_run(config, world, gpt_workload(model, 1), "GPT 1.3B").worst
     return {
         "dry_run_total_mib": round(worst.total / 2**20, 1),
         "dry_run_state_mib": round(worst.device_state / 2**20, 1),

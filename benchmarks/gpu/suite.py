@@ -165,25 +165,14 @@ def recompute_section(dry: bool) -> dict[str, Any]:
 
 def _dry_run_mb(config: Any, row: Any, seq: int, vocab: int) -> float:
     """The dry run's estimate of one rank's peak for the row's model and flags (MiB)."""
-    import torch.nn.functional as F
 
-    from rapidformer.dryrun import Workload, dry_run
+    from rapidformer.dryrun import dry_run, gpt_workload
 
     shape = GPTConfig(
         vocab_size=vocab, num_layers=row.layers, hidden_size=row.hidden,
         num_attention_heads=row.heads, max_position_embeddings=seq, dropout=0.0,
     )  # fmt: skip
-    ids = torch.zeros(row.batch, seq, dtype=torch.long, device="meta")
-    work = Workload(
-        build=lambda: GPTModel.build(shape, "meta"),
-        batch={"input_ids": ids},
-        inputs=lambda batch: (batch["input_ids"],),
-        loss=lambda out, batch: F.cross_entropy(
-            out.flatten(0, 1).float(), batch["input_ids"].flatten()
-        ),
-        hidden_size=row.hidden,
-        seq_length=seq,
-    )
+    work = gpt_workload(shape, row.batch)
     config = config.replace(train_iters=1)  # the dry run checks the flags of a whole run
     return dry_run(config, 1, work, row.name).worst.total / 2**20
 

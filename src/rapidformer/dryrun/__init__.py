@@ -17,7 +17,13 @@ from collections.abc import Iterable, Iterator
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
-from rapidformer.dryrun.estimate import RankMemory, StageProfile, Workload, rank_memory
+from rapidformer.dryrun.estimate import (
+    RankMemory,
+    StageProfile,
+    Workload,
+    gpt_workload,
+    rank_memory,
+)
 from rapidformer.dryrun.fit import fits, ladder, parse_memory
 from rapidformer.dryrun.report import DryRunReport, Suggestion
 from rapidformer.dryrun.simulate import NOT_SIMULATED
@@ -30,6 +36,7 @@ __all__ = [
     "Workload",
     "climb",
     "dry_run",
+    "gpt_workload",
     "parse_memory",
     "simulated_ranks",
     "worst_rank",

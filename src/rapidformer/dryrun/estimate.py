@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rapidformer.accel.sharding import shard_units, sharding_mode
@@ -42,6 +43,7 @@ from rapidformer.dryrun.simulate import (
     fake_world,
 )
 from rapidformer.memory import StateBytes
+from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import ModelInputs, TrainState, call_model, loss_context
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -58,6 +60,22 @@ class Workload:
     loss: Any  # (outputs, batch) -> loss tensor
     hidden_size: int
     seq_length: int
+
+
+def gpt_workload(shape: GPTConfig, micro_batch: int) -> Workload:
+    """The built-in GPT of ``shape`` on micro-batches of ``micro_batch`` full-length sequences,
+    with the next-token loss (what the benchmarks estimate)."""
+    seq = shape.max_position_embeddings
+    return Workload(
+        build=lambda: GPTModel.build(shape, "meta"),
+        batch={"input_ids": torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")},
+        inputs=lambda batch: (batch["input_ids"],),
+        loss=lambda out, batch: F.cross_entropy(
+            out.flatten(0, 1).float(), batch["input_ids"].flatten()
+        ),
+        hidden_size=shape.hidden_size,
+        seq_length=seq,
+    )
 
 
 @dataclass(frozen=True)
@@ -129,8 +147,7 @@ def rank_memory(
     """``dims.rank``'s figures. ``profiles``: per pipeline rank, the stage profiles already
     measured (ranks at the same pipeline position share them)."""
     with fake_world(dims.world_size, dims.rank):
-        composed = compose_on_meta(config, dims, work.build)
-        state = composed.state
+        state = compose_on_meta(config, dims, work.build)
         held, _ = state.stepper.expected_bytes(state)
         plan = [str(step) for step in state.plan]
         profile = (profiles or {}).get(dims.pp_rank)
@@ -155,7 +172,7 @@ def rank_memory(
 
 def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload) -> StageProfile:
     """One micro-batch through each stage ``dims.rank`` holds (call inside its fake world)."""
-    state = compose_on_meta(config, dims, work.build, ACTIVATION_STEPS).state
+    state = compose_on_meta(config, dims, work.build, ACTIVATION_STEPS)
     dtype = _LOW.get(config.precision.resolved)
     parts = state.model_parts
     if dtype is not None and _computes_in_low_precision_weights(config, dims):

@@ -78,10 +78,6 @@ def _sharding(stage: int) -> dict[str, object]:
     return {**_SHARDING_OFF, f"zero_{stage}_memory_optimization": True}
 
 
-def _stage(config: RapidformerConfig) -> int:
-    return zero_stage(config)
-
-
 def _recompute_rank(config: RapidformerConfig) -> int:
     memory = config.memory
     if memory.recompute is None:
@@ -97,13 +93,13 @@ _FULL: dict[str, object] = {**_SELECTIVE, "recompute_granularity": "full"}
 LADDER: tuple[Rung, ...] = (
     Rung("bf16", "precision", {"precision": "bf16", "mixed_precision": False},
          lambda c, w: c.precision.resolved == "fp32"),
-    Rung("ZeRO-1", "zero", _sharding(1), lambda c, w: _dp(c, w) > 1 and _stage(c) < 1),
-    Rung("ZeRO-2", "zero", _sharding(2), lambda c, w: _dp(c, w) > 1 and _stage(c) < 2),
+    Rung("ZeRO-1", "zero", _sharding(1), lambda c, w: _dp(c, w) > 1 and zero_stage(c) < 1),
+    Rung("ZeRO-2", "zero", _sharding(2), lambda c, w: _dp(c, w) > 1 and zero_stage(c) < 2),
     Rung("selective recompute", "recompute", _SELECTIVE, lambda c, w: _recompute_rank(c) < 1),
     Rung("full recompute", "recompute", _FULL, lambda c, w: _recompute_rank(c) < 2),
-    Rung("ZeRO-3", "zero", _sharding(3), lambda c, w: _dp(c, w) > 1 and _stage(c) < 3),
+    Rung("ZeRO-3", "zero", _sharding(3), lambda c, w: _dp(c, w) > 1 and zero_stage(c) < 3),
     Rung("CPU offload", "offload", {"cpu_offload": True},
-         lambda c, w: _dp(c, w) > 1 and _stage(c) >= 2 and not c.memory.cpu_offload),
+         lambda c, w: _dp(c, w) > 1 and zero_stage(c) >= 2 and not c.memory.cpu_offload),
 )  # fmt: skip
 """The switches in the order they are tried (tensor and pipeline parallelism follow)."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rapidformer.dryrun.estimate import RankMemory
-from rapidformer.dryrun.fit import USABLE_FRACTION
+from rapidformer.dryrun.fit import USABLE_FRACTION, fits
 
 GIB = 2**30
 
@@ -52,7 +52,7 @@ class DryRunReport:
     def fits(self) -> bool | None:
         if self.device_memory is None:
             return None
-        return self.worst.total <= USABLE_FRACTION * self.device_memory
+        return fits(self.worst.total, self.device_memory)
 
     def to_dict(self) -> dict[str, Any]:
         return {

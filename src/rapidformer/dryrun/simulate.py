@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -145,20 +144,12 @@ def simulated_config(config: RapidformerConfig) -> RapidformerConfig:
     return config
 
 
-@dataclass
-class ComposedRank:
-    """A rank's state after the simulated order, and what the order applied."""
-
-    state: TrainState
-    skipped: list[str]
-
-
 def compose_on_meta(
     config: RapidformerConfig,
     dims: ParallelDims,
     build: ModelBuilder,
     steps: tuple[Apply, ...] = NATIVE_ORDER,
-) -> ComposedRank:
+) -> TrainState:
     """Run ``steps`` (less :data:`NOT_SIMULATED`) for ``dims.rank`` on a meta-device model;
     call inside :func:`fake_world`."""
     mesh = ParallelMesh.build(dims, "cpu")
@@ -170,12 +161,7 @@ def compose_on_meta(
         forward_backward=EagerForwardBackward(),
         stepper=TorchStepper(config.training.clip_grad),
     )
-    skipped = []
     for apply in steps:
-        if apply in NOT_SIMULATED:
-            skipped.append(f"{apply.__name__}: {NOT_SIMULATED[apply]}")
-            continue
-        state = apply(state, config, mesh)
-    if not state.model_parts:
-        state.model_parts = [state.model]
-    return ComposedRank(state, skipped)
+        if apply not in NOT_SIMULATED:
+            state = apply(state, config, mesh)
+    return state

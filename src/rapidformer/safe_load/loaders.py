@@ -66,10 +66,6 @@ def trusting(trust: bool) -> Iterator[None]:
         set_trust(previous, warn=False)
 
 
-def is_trusted() -> bool:
-    return _trusted
-
-
 def scan_file(file: Path) -> None:
     """Refuse a ``torch.save`` file unless every global its pickles name is allowed (no-op
     when trusted)."""
