@@ -21,13 +21,14 @@ from torch import nn
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.models.forward_wrap import current_forward
 from rapidformer.state import PlanStep, TrainState
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    forward = module.forward
+    forward = current_forward(module)  # weakly bound: see forward_wrap
 
     @functools.wraps(forward)
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:

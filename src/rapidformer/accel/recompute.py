@@ -41,6 +41,7 @@ from torch.utils.checkpoint import (
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import RunContext
 from rapidformer.errors import ConfigError, Violation
+from rapidformer.models.forward_wrap import current_forward
 
 aten = torch.ops.aten
 
@@ -103,7 +104,8 @@ def recompute_chunk(layers: list[nn.Module]) -> None:
     checkpoint (keeping only the chunk's input), the others pass its output on. Every layer must
     take the hidden states first and return them as one tensor, with the same other arguments
     (a decoder layer's mask and position embeddings are the same for every layer)."""
-    forwards = [layer.forward for layer in layers]
+    forwards = [current_forward(layer) for layer in layers]  # weakly bound: see forward_wrap
+    kind = type(layers[0]).__name__  # the closure must not reference the layers themselves
 
     def chain(hidden: Any, *args: Any, **kwargs: Any) -> Any:
         for forward in forwards:
@@ -113,7 +115,7 @@ def recompute_chunk(layers: list[nn.Module]) -> None:
                     "--recompute-method",
                     "uniform",
                     f"chunks of several layers need layers that return their hidden states as "
-                    f"one tensor; {type(layers[0]).__name__} returns {type(hidden).__name__}",
+                    f"one tensor; {kind} returns {type(hidden).__name__}",
                     "use --recompute-num-layers 1, or --recompute-method block",
                 )
         return hidden
@@ -148,7 +150,7 @@ def apply_to_layers(layers: list[nn.Module], config: RapidformerConfig) -> str:
         return f"{len(layers)} layers in chunks of {count}"
     chosen = layers[:count] if method == "block" else layers
     for layer in chosen:
-        layer.forward = recomputing(layer.forward, granularity)
+        layer.forward = recomputing(current_forward(layer), granularity)
     return f"{len(chosen)} of {len(layers)} layers"
 
 

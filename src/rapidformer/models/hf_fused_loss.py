@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from rapidformer.models.forward_wrap import current_forward, owner_of
 from rapidformer.models.fused_loss import fused_linear_cross_entropy, require_labels
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
@@ -41,15 +42,16 @@ def supports(model: nn.Module) -> bool:
 
 def patch_forward(model: nn.Module) -> None:
     """Route the training forward with labels through the fused loss (in place)."""
-    original = model.forward
+    original = current_forward(model)  # weakly bound, as the model itself: see forward_wrap
+    owner = owner_of(model)
     base = getattr(model, str(model.base_model_prefix))
     head = model.get_output_embeddings()  # type: ignore[operator]
 
     @functools.wraps(original)
     def forward(*args: Any, labels: Any = None, **kwargs: Any) -> Any:
-        if not model.training:
+        if not owner().training:
             return original(*args, **kwargs)
-        labels = require_labels(model, labels)
+        labels = require_labels(owner(), labels)
         hidden = base(*args, **kwargs).last_hidden_state
         loss = fused_linear_cross_entropy(
             hidden[:, :-1], head.weight, head.bias, labels[:, 1:].contiguous()
