@@ -64,3 +64,24 @@ def test_metrics_jsonl_and_tensorboard_agree(tmp_path: Path) -> None:
 )
 def test_throughput_counts_the_tokens_a_batch_feeds(batch: dict[str, Any], tokens: int) -> None:
     assert int(batch_tokens(batch)) == tokens
+
+
+def test_console_log_lines_go_to_the_current_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notebooks and test runners replace ``sys.stderr``; a handler that kept the stream of its
+    set-up wrote into a closed file after the next replacement ("--- Logging error ---")."""
+    import io
+    import sys
+
+    from rapidformer.logging import log, setup_console_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(log, "handlers", [])  # set-up state restored afterwards
+    monkeypatch.setattr(log, "propagate", log.propagate)
+    monkeypatch.setattr(log, "level", log.level)
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_console_logging()
+    log.info("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    log.info("two")
+    assert second.getvalue() == "[rapidformer] two\n"

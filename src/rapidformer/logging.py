@@ -20,10 +20,26 @@ if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI 
 log = logging.getLogger("rapidformer")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the one at set-up:
+    notebooks and test runners replace it, and the old one may be closed by then."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass  # StreamHandler.__init__ and setStream assign it; sys.stderr is always read
+
+
 def setup_console_logging() -> None:
     """Send rapidformer's log records to stderr once (a library must not do this on import)."""
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("[rapidformer] %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
