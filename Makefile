@@ -89,6 +89,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/moe_balancing.py
 	$(PY) benchmarks/loss_parity.py
 	$(PY) benchmarks/choosing_switches.py
+	$(PY) benchmarks/dry_run_accuracy.py
 	# every chart again from the results just written (the throughput chart reads several)
 	$(PY) benchmarks/charts.py
 

@@ -1,0 +1,120 @@
+"""How much memory one training step of the built-in GPT takes on a CPU, measured and as the
+dry run estimates it: the dry run's accuracy check (its test and its benchmark).
+
+A *spec* is ``{"config": {...RapidformerConfig fields}, "shape": {...GPTConfig fields}}``.
+
+**Measured** (:func:`measured_rise`): a child process trains through the engine with
+``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
+the kernel when freed, and the resident set follows the live tensors. Two steps first (the
+optimizer's state exists afterwards; gradients are freed after each step), then the measured
+step: its peak (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``) minus the resident
+set at its start.
+
+**Estimated** (:func:`estimated_rise`): the dry run's total for the rank minus what exists
+before a step (parameters and optimizer state). The resident set also holds the allocator's
+small blocks and page rounding; the estimate counts tensors.
+
+    python -m rapidformer.testing.step_memory '{"config": {...}, "shape": {...}}'
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.models.gpt import GPTConfig, GPTModel
+from rapidformer.state import StepFunctions
+
+Spec = dict[str, dict[str, Any]]
+
+
+def supported() -> bool:
+    """Whether this machine can measure (Linux's ``/proc`` with a resettable peak)."""
+    return Path("/proc/self/clear_refs").exists()
+
+
+def estimated_rise(spec: Spec) -> int:
+    """The dry run's estimate of how far a step rises above its start (bytes)."""
+    from rapidformer.dryrun import Workload, dry_run
+    from rapidformer.templates.families.gpt import GPTFamily
+
+    config = RapidformerConfig.from_dict(spec["config"])
+    shape = GPTConfig(**spec["shape"])
+    family = GPTFamily()
+    work = Workload(
+        build=lambda: GPTModel.build(shape, "meta"),
+        batch=family.example_batch(
+            config.data.micro_batch_size, shape.max_position_embeddings, "meta"
+        ),
+        inputs=family.inputs,
+        loss=family.loss,
+        hidden_size=shape.hidden_size,
+        seq_length=shape.max_position_embeddings,
+    )
+    rank = dry_run(config, 1, work, "GPT").ranks[0]
+    return rank.total - rank.state.parameters - rank.state.optimizer
+
+
+def measured_rise(spec: Spec, timeout: float = 300) -> int:
+    """How far a real step's resident set rises above its start (bytes), in a child process
+    with one torch thread."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", __name__, json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the measuring child failed:\n{done.stderr[-3000:]}")
+    return int(json.loads(lines[-1][len("RESULT ") :])["rise"])
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def _child(spec: Spec) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = RapidformerConfig.from_dict(spec["config"])
+    shape = GPTConfig(**spec["shape"])
+    engine = RapidformerEngine(config, builds_optimizer=True)
+    state = engine.compose(GPTModel.build(shape, "meta"))
+    micro, seq = config.data.micro_batch_size, shape.max_position_embeddings
+    ids = torch.randint(0, shape.vocab_size, (micro, seq))
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        logits = state.model(batch)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch.flatten())
+
+    batches = [ids] * engine.accumulation_steps
+    step = StepFunctions(train_step=loss, weight=lambda b: b.numel())
+    for _ in range(2):
+        engine.run_step(batches, step)
+    gc.collect()
+    start = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+    engine.run_step(batches, step)
+    peak = _status_bytes("VmHWM")
+    engine.close()
+    print("RESULT " + json.dumps({"rise": peak - start}), flush=True)
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))
