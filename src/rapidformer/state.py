@@ -311,6 +311,10 @@ class TrainState:
     gradient_average_group: Any = None
     """The process group the stepper averages local gradients over before the update, where
     no DDP wrapper does it (tensor-parallel or pipelined data parallelism); None otherwise."""
+    gradients_in_buckets: bool = False
+    """Whether the gradients are views of DDP's buckets: the step then zeroes them in place
+    instead of dropping them (a dropped view comes back as a fresh tensor, a second copy
+    beside the bucket, in the next step's first backward)."""
     step_guard: StepGuard | None = None
     """Every rank's per-step agreement to skip (non-finite values) or stop (a signal); the
     stepper asks it before applying a step. Set by the engine."""

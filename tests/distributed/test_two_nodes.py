@@ -60,7 +60,7 @@ def test_two_nodes_through_c10d_rendezvous_match_one_process(tmp_path: Path) -> 
     reference = read_losses(single)
     gaps = {}
     for name, extra, plan in (
-        ("ddp", [], "data parallel: torch DistributedDataParallel (2 ranks, gloo)"),
+        ("ddp", [], "data parallel: torch DistributedDataParallel (2 ranks, gloo"),
         ("zero2", ["--zero-2-memory-optimization"], "ZeRO-2 (native)"),
     ):
         logs = _two_nodes(tmp_path / name, extra)

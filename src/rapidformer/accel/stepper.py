@@ -215,7 +215,7 @@ class TorchStepper:
                 state.lr_scheduler.step()
         if scaler is not None:
             scaler.update()  # halves the scale after an overflow, from the agreed found-inf
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not state.gradients_in_buckets)
         return StepOutcome(grad_norm=grad_norm.detach(), lr=lr, skipped=skipped, stop=decision.stop)
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:

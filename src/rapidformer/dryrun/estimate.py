@@ -6,11 +6,11 @@ Per rank, the device holds at its peak:
   report counts them (:mod:`rapidformer.dryrun.simulate`); under ``--cpu-offload`` part of
   it in host memory (all of it natively, the optimizer state under DeepSpeed, and the
   parameters too at its stage 3);
-* **buffers**: DDP's gradient buckets (a second copy of the gradients), or FSDP2's gathered
-  parameters (ZeRO-2 gathers a rank's whole model for the forward and keeps it until the
-  backward ends, as ZeRO-3 does under a pipeline; otherwise ZeRO-3 gathers one block at a time,
-  with the next one prefetched) and one block's unsharded gradients before their
-  reduce-scatter;
+* **buffers**: FSDP2's gathered parameters (ZeRO-2 gathers a rank's whole model for the
+  forward and keeps it until the backward ends, as ZeRO-3 does under a pipeline; otherwise
+  ZeRO-3 gathers one block at a time, with the next one prefetched) and one block's unsharded
+  gradients before their reduce-scatter. DDP's buckets are the gradients themselves
+  (``gradient_as_bucket_view``), held from one step to the next;
 * **activations**: one micro-batch's, counted on the meta device
   (:mod:`rapidformer.dryrun.activations`), times the micro-batches a pipeline stage holds at
   once: with ``m`` micro-batches per step, GPipe holds ``m``, 1F1B ``min(m, pp - r)`` on
@@ -93,6 +93,9 @@ class RankMemory:
     in_flight: int
     activations: int
     plan: list[str] = field(default_factory=list)
+    gradients_kept: bool = False
+    """Whether the gradients stay allocated between steps (DDP's buckets); otherwise each step
+    frees them."""
 
     @property
     def device_state(self) -> int:
@@ -156,6 +159,7 @@ def rank_memory(
             if profiles is not None:
                 profiles[dims.pp_rank] = profile
         buffers, what = _buffers(config, state, held, profile)
+        kept = _ddp(config, state)
     return RankMemory(
         rank=dims.rank,
         position={"tp": dims.tp_rank, "pp": dims.pp_rank, "dp": dims.dp_rank},
@@ -167,6 +171,7 @@ def rank_memory(
         in_flight=profile.in_flight,
         activations=profile.activations,
         plan=plan,
+        gradients_kept=kept,
     )
 
 
@@ -186,7 +191,7 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
     count = _in_flight_of(config, state, dims)
     # Forwards in flight: the oldest is in its backward (its peak), the others wait (kept).
     total = math.ceil((count - 1) * kept) + peak
-    if _one_micro_batch(config, dims):
+    if _one_micro_batch(config, dims) and not _ddp(config, state):
         # The step's gradients appear while its one micro-batch's activations are freed.
         total = max(m.beyond_gradients for m in measured)
     units = [_local_elements(unit) for part in parts for unit in shard_units(part)]
@@ -236,6 +241,20 @@ def _one_micro_batch(config: RapidformerConfig, dims: ParallelDims) -> bool:
         config.data.micro_batch_size, config.data.global_batch_size
     )
     return accumulation == 1 and dims.pp == 1 and not _fsdp(config, dims)
+
+
+def _ddp(config: RapidformerConfig, state: TrainState) -> bool:
+    """Whether DDP averages this rank's gradients (``accel/data_parallel.py``'s condition): its
+    buckets then hold the gradients from one step to the next (``gradient_as_bucket_view``), so
+    a step's backward starts with them allocated."""
+    dims = state.mesh.dims
+    return (
+        dims.dp > 1
+        and dims.tp == 1
+        and dims.ep == 1
+        and state.forward_backward.gradient_sync == "ddp"
+        and not _fsdp(config, dims)
+    )
 
 
 def _in_flight_of(config: RapidformerConfig, state: TrainState, dims: ParallelDims) -> int:
@@ -292,8 +311,8 @@ def _buffers(
             gathered = (max(root, 0) + 2 * largest) * size
             what = "FSDP2 (ZeRO-3): the root's and two blocks' parameters gathered"
         return gathered + 4 * largest, what + ", one block's unsharded fp32 gradients"
-    if state.forward_backward.gradient_sync == "ddp" and dims.tp == 1 and dims.ep == 1:
-        return held.gradients, "DDP's gradient buckets (a second copy of the gradients)"
+    if _ddp(config, state):
+        return 0, "none (the gradients are views of DDP's buckets)"
     return 0, "none (gradients averaged in place)"
 
 

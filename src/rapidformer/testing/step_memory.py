@@ -1,7 +1,8 @@
 """How much memory one training step of the built-in GPT takes on a CPU, measured and as the
 dry run estimates it: the dry run's accuracy check (its test and its benchmark).
 
-A *spec* is ``{"config": {...RapidformerConfig fields}, "shape": {...GPTConfig fields}}``.
+A *spec* is ``{"config": {...RapidformerConfig fields}, "shape": {...GPTConfig fields}}``,
+with ``"world_size": N`` for N ranks under torchrun (data parallel, as the config says).
 
 **Measured** (:func:`measured_rise`): a child process trains through the engine with
 ``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
@@ -11,8 +12,9 @@ step: its peak (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``) minu
 set at its start.
 
 **Estimated** (:func:`estimated_rise`): the dry run's total for the rank minus what exists
-before a step (parameters and optimizer state). The resident set also holds the allocator's
-small blocks and page rounding; the estimate counts tensors.
+before a step (parameters and optimizer state, and the gradients where DDP's buckets keep
+them). The resident set also holds the allocator's small blocks and page rounding; the
+estimate counts tensors.
 
     python -m rapidformer.testing.step_memory '{"config": {...}, "shape": {...}}'
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import StepFunctions
 
-Spec = dict[str, dict[str, Any]]
+Spec = dict[str, Any]
 
 
 def supported() -> bool:
@@ -60,26 +63,29 @@ def estimated_rise(spec: Spec) -> int:
         hidden_size=shape.hidden_size,
         seq_length=shape.max_position_embeddings,
     )
-    rank = dry_run(config, 1, work, "GPT").ranks[0]
-    return rank.total - rank.state.parameters - rank.state.optimizer
+    rank = dry_run(config, spec.get("world_size", 1), work, "GPT").ranks[0]
+    kept = rank.state.gradients if rank.gradients_kept else 0
+    return rank.total - rank.state.parameters - rank.state.optimizer - kept
 
 
 def measured_rise(spec: Spec, timeout: float = 300) -> int:
-    """How far a real step's resident set rises above its start (bytes), in a child process
-    with one torch thread."""
+    """How far a real step's resident set rises above its start (bytes; the most of any
+    rank), in child processes with one torch thread each."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    ranks = int(spec.get("world_size", 1))
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     done = subprocess.run(
-        [sys.executable, "-m", __name__, json.dumps(spec)],
+        [sys.executable, *(launch if ranks > 1 else []), "-m", __name__, json.dumps(spec)],
         env=env,
         capture_output=True,
         text=True,
         check=False,
         timeout=timeout,
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
+    results = re.findall(r"RESULT (\{[^}]*\})", done.stdout)
+    if done.returncode != 0 or len(results) != ranks:
         raise RuntimeError(f"the measuring child failed:\n{done.stderr[-3000:]}")
-    return int(json.loads(lines[-1][len("RESULT ") :])["rise"])
+    return max(int(json.loads(result)["rise"]) for result in results)
 
 
 def _status_bytes(key: str) -> int:
@@ -113,7 +119,8 @@ def _child(spec: Spec) -> None:
     engine.run_step(batches, step)
     peak = _status_bytes("VmHWM")
     engine.close()
-    print("RESULT " + json.dumps({"rise": peak - start}), flush=True)
+    # One write, so that two ranks' lines cannot interleave on torchrun's shared stdout.
+    os.write(sys.stdout.fileno(), f"RESULT {json.dumps({'rise': peak - start})}\n".encode())
 
 
 if __name__ == "__main__":
