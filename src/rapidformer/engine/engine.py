@@ -52,6 +52,7 @@ from rapidformer.hardware import Peak
 from rapidformer.logging import setup_console_logging
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
+from rapidformer.seeding import seed_everything
 from rapidformer.state import StepFunctions, StepOutcome, TrainState
 
 __all__ = ["RapidformerEngine", "StepResult"]
@@ -111,6 +112,10 @@ class RapidformerEngine:
         """FLOPs per token and the peak, once compose() has the model (MFU in the logs)."""
         self.peak = Peak(None, "not measured on this rank (rank 0 logs)")
         self._late: LateWeights | None = None
+        # --seed is every generator's seed, a hand-written loop's dropout included: two engines
+        # of one seed draw the same masks whatever ran before them (the templates seed again
+        # at the start of fit(), to the same state).
+        seed_everything(config.training.seed)
 
     @property
     def is_main_process(self) -> bool:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,12 +41,6 @@ class DataBundle:
                 self.valid, batch_size=micro_batch_size, shuffle=False, collate_fn=self.collate_fn
             )
         return train, valid
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

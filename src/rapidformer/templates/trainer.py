@@ -36,6 +36,7 @@ from rapidformer.logging import MetricsLogger, log
 from rapidformer.reliability.peers import naming_lost_peers
 from rapidformer.reliability.spikes import SpikeDetector
 from rapidformer.schedules import build_lr_scheduler
+from rapidformer.seeding import seed_everything
 from rapidformer.state import (
     ModelInputs,
     StepFunctions,
@@ -52,7 +53,6 @@ from rapidformer.templates.batches import (
     filler_batch,
     loss_of,
     move_to_device,
-    seed_everything,
 )
 from rapidformer.templates.progress import Progress, step_batches
 from rapidformer.templates.resuming import resume
