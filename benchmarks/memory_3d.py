@@ -205,11 +205,11 @@ def main() -> None:
         "## The dry run of the reference's benchmark",
         "",
         "`rapidformer --dry-run` of each row with the reference's settings (fp16, micro-batch 1, "
-        "global batch 4, seq 1024): the worst rank's model state, buffers (DDP's gradient "
-        "buckets, FSDP's gathered parameters) and activations (the pipeline's in-flight "
-        "micro-batches included), beside the published peak. The published peaks also hold the "
-        "CUDA context and the allocator's slack; the DeepSpeed rows are estimated with the "
-        "native layout of their stage.",
+        "global batch 4, seq 1024): the worst rank's model state, buffers (FSDP's gathered "
+        "parameters; DDP's buckets are the gradients, in the state) and activations (the "
+        "pipeline's in-flight micro-batches included), beside the published peak. The "
+        "published peaks also hold the CUDA context and the allocator's slack; the DeepSpeed "
+        "rows are estimated with the native layout of their stage.",
         "",
         "| layout | ranks | state MiB | buffers MiB | activations MiB | dry-run total MiB "
         "| published peak MB | dry run / published |",

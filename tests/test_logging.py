@@ -85,3 +85,10 @@ def test_console_log_lines_go_to_the_current_stderr(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sys, "stderr", second)
     log.info("two")
     assert second.getvalue() == "[rapidformer] two\n"
+    chosen = io.StringIO()
+    log.handlers[0].setStream(chosen)  # type: ignore[attr-defined]  # kept as given
+    log.info("three")
+    assert (chosen.getvalue(), second.getvalue()) == (
+        "[rapidformer] three\n",
+        "[rapidformer] two\n",
+    )

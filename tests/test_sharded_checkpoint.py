@@ -67,6 +67,18 @@ def test_sharded_checkpoint_from_two_ranks_resumes_on_one(flag: str, tmp_path: P
 
 
 @pytest.mark.distributed
+def test_sharded_checkpoint_resumes_under_plain_ddp(tmp_path: Path) -> None:
+    """DDP's gradients exist from the wrap on (views of its buckets); the resumed optimizer's
+    moments must still be created and filled from the shards (restarting Adam from zero would
+    move the losses by far more than the tolerance)."""
+    saved = _saved_run(tmp_path, "--zero-2-memory-optimization")
+    resumed = tmp_path / "ddp"
+    load = str(saved / "iter_0000005")
+    run_distributed(_fit, 2, "--load", load, "--save", str(resumed))
+    _assert_continues(saved, resumed)
+
+
+@pytest.mark.distributed
 def test_fsdp_checkpoint_from_two_ranks_resumes_on_four(tmp_path: Path) -> None:
     flag = "--zero-3-memory-optimization"
     saved = _saved_run(tmp_path, flag)

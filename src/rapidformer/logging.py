@@ -22,18 +22,20 @@ log = logging.getLogger("rapidformer")
 
 class _CurrentStderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the one at set-up:
-    notebooks and test runners replace it, and the old one may be closed by then."""
+    notebooks and test runners replace it, and the old one may be closed by then. A stream
+    given later (``setStream``) is used as given."""
 
     def __init__(self) -> None:
-        super().__init__(sys.stderr)
+        super().__init__()  # assigns sys.stderr through the setter below: forgotten next
+        self._chosen: Any = None
 
     @property
     def stream(self) -> Any:
-        return sys.stderr
+        return self._chosen if self._chosen is not None else sys.stderr
 
     @stream.setter
-    def stream(self, _: Any) -> None:
-        pass  # StreamHandler.__init__ and setStream assign it; sys.stderr is always read
+    def stream(self, value: Any) -> None:
+        self._chosen = value
 
 
 def setup_console_logging() -> None:

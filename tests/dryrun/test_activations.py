@@ -5,8 +5,9 @@ autocast, with one micro-batch per step and with two: a child process trains thr
 engine (the CPU's fused attention) and measures how far a step's resident set rises above its
 start; the dry run of the same flags predicts that rise as the rank's total minus its
 parameters and optimizer state (what exists before the step: the gradients are freed after
-each step). Both halves are :mod:`rapidformer.testing.step_memory`. Within 15%: the resident
-set also holds the allocator's small blocks and page rounding, the estimate counts tensors.
+each step, except DDP's, which live in its buckets). Both halves are
+:mod:`rapidformer.testing.step_memory`. Within 15%: the resident set also holds the
+allocator's small blocks and page rounding, the estimate counts tensors.
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ class DistributedFormat:
     def save(self, state: TrainState, directory: Path) -> None:
         content: dict[str, Any] = {"model": _model_state(state)}
         if state.optimizer is not None:
-            content["optimizer"] = get_optimizer_state_dict(
-                _single_part(state), state.optimizer, options=_FLAT
-            )
+            content["optimizer"] = _optimizer_state(state)
         dcp.save(content, checkpoint_id=directory / SHARDED)
 
     def record(self, state: TrainState) -> dict[str, Any]:
@@ -158,9 +156,7 @@ class DistributedFormat:
         templates = [get_model_state_dict(part) for part in state.model_parts]
         content: dict[str, Any] = {"model": {k: v for t in templates for k, v in t.items()}}
         if state.optimizer is not None:
-            content["optimizer"] = get_optimizer_state_dict(
-                _single_part(state), state.optimizer, options=_FLAT
-            )
+            content["optimizer"] = _optimizer_state(state)
         # Its metadata through the allowlist, its non-tensor items as plain values.
         reader, planner = dcp_reader(directory / SHARDED), dcp_load_planner()
         dcp.load(content, storage_reader=reader, planner=planner)
@@ -177,6 +173,27 @@ class DistributedFormat:
         for part in state.model_parts:
             full.update(get_model_state_dict(part, options=options))
         return full if process_group.rank() == 0 else None
+
+
+def _optimizer_state(state: TrainState) -> dict[str, Any]:
+    """The optimizer's state dict as DCP reads and writes it. An optimizer that has not stepped
+    yet gets zero moments first (torch steps it once with zero gradients and lr 0), so that a
+    resume has tensors to fill; torch does that only while no gradient exists, and DDP's
+    gradients exist from the wrap on (views of its buckets). They are set aside for it and put
+    back (the same tensors, so they stay views)."""
+    optimizer = state.optimizer
+    assert optimizer is not None
+    if optimizer.state:
+        return get_optimizer_state_dict(_single_part(state), optimizer, options=_FLAT)
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    kept = [p.grad for p in parameters]
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        return get_optimizer_state_dict(_single_part(state), optimizer, options=_FLAT)
+    finally:
+        for parameter, grad in zip(parameters, kept, strict=True):
+            parameter.grad = grad
 
 
 def native_format(state: TrainState) -> CheckpointFormat:

@@ -47,7 +47,7 @@ from rapidformer.state import TrainState
 
 NOT_SIMULATED: dict[Apply, str] = {
     apply_materialize: "nothing is allocated",
-    apply_data_parallel: "DDP would broadcast real values; its gradient buckets are counted",
+    apply_data_parallel: "DDP would broadcast real values; its buckets are the gradients",
     apply_data: "no data is read",
     apply_compile: "compile changes speed, not what a rank holds (not traced)",
     apply_onnxruntime: "ONNX Runtime's graphs are not built",

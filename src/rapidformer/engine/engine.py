@@ -155,6 +155,9 @@ class RapidformerEngine:
         )
         for apply in backend(self.config).order:
             state = apply(state, self.config, self.mesh)
+        # Served: the optimizer exists. Kept, a template's bound method would tie the template
+        # to its own engine in a cycle that outlives `del trainer` (its model with it).
+        state.optimizer_fn = None
         state.plan.extend(trust_steps(self.config))
         state.settle()
         # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.

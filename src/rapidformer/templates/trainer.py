@@ -186,7 +186,11 @@ class Trainer(ABC):
         )
         self.model = state.model
         if _has_split_step(type(self)):  # the template owns the loss: it may join the graph
-            self.compute_loss = engine.compiled_loss(self.compute_loss)  # type: ignore[method-assign,assignment]
+            compiled = engine.compiled_loss(self.compute_loss)
+            # Stored only when compiled: the method itself, set on its own instance, would
+            # keep the template (and its model) alive in a cycle after `del trainer`.
+            if compiled != self.compute_loss:
+                self.compute_loss = compiled  # type: ignore[method-assign,assignment]
         progress = self._resume(state)
         engine.guard.steps = progress.step
         logger = MetricsLogger(

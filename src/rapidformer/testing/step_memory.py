@@ -7,9 +7,9 @@ with ``"world_size": N`` for N ranks under torchrun (data parallel, as the confi
 **Measured** (:func:`measured_rise`): a child process trains through the engine with
 ``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
 the kernel when freed, and the resident set follows the live tensors. Two steps first (the
-optimizer's state exists afterwards; gradients are freed after each step), then the measured
-step: its peak (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``) minus the resident
-set at its start.
+optimizer's state exists afterwards; gradients are freed after each step, DDP's excepted),
+then the measured step: its peak (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``)
+minus the resident set at its start.
 
 **Estimated** (:func:`estimated_rise`): the dry run's total for the rank minus what exists
 before a step (parameters and optimizer state, and the gradients where DDP's buckets keep
