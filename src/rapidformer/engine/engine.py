@@ -112,9 +112,7 @@ class RapidformerEngine:
         """FLOPs per token and the peak, once compose() has the model (MFU in the logs)."""
         self.peak = Peak(None, "not measured on this rank (rank 0 logs)")
         self._late: LateWeights | None = None
-        # --seed is every generator's seed, a hand-written loop's dropout included: two engines
-        # of one seed draw the same masks whatever ran before them (the templates seed again
-        # at the start of fit(), to the same state).
+        # --seed seeds every generator, a hand-written loop's dropout too (fit() seeds again).
         seed_everything(config.training.seed)
 
     @property
@@ -155,9 +153,7 @@ class RapidformerEngine:
         )
         for apply in backend(self.config).order:
             state = apply(state, self.config, self.mesh)
-        # Served: the optimizer exists. Kept, a template's bound method would tie the template
-        # to its own engine in a cycle that outlives `del trainer` (its model with it).
-        state.optimizer_fn = None
+        state.optimizer_fn = None  # served; a template's bound method here would be a cycle
         state.plan.extend(trust_steps(self.config))
         state.settle()
         # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.
