@@ -47,22 +47,10 @@ def supported() -> bool:
 
 def estimated_rise(spec: Spec) -> int:
     """The dry run's estimate of how far a step rises above its start (bytes)."""
-    from rapidformer.dryrun import Workload, dry_run
-    from rapidformer.templates.families.gpt import GPTFamily
+    from rapidformer.dryrun import dry_run, gpt_workload
 
     config = RapidformerConfig.from_dict(spec["config"])
-    shape = GPTConfig(**spec["shape"])
-    family = GPTFamily()
-    work = Workload(
-        build=lambda: GPTModel.build(shape, "meta"),
-        batch=family.example_batch(
-            config.data.micro_batch_size, shape.max_position_embeddings, "meta"
-        ),
-        inputs=family.inputs,
-        loss=family.loss,
-        hidden_size=shape.hidden_size,
-        seq_length=shape.max_position_embeddings,
-    )
+    work = gpt_workload(GPTConfig(**spec["shape"]), config.data.micro_batch_size)
     rank = dry_run(config, spec.get("world_size", 1), work, "GPT").ranks[0]
     kept = rank.state.gradients if rank.gradients_kept else 0
     return rank.total - rank.state.parameters - rank.state.optimizer - kept
