@@ -112,15 +112,15 @@ def page(result: dict[str, Any]) -> list[str]:
         "autocast keeps a 16-bit copy of every weight for the backward, 2 bytes per parameter, "
         "so at micro-batch 1 it can cost more than it saves) | faster on GPUs: 1.79x fp32 "
         "samples/s (BERT-base, H200) |",
-        "| ZeRO-1 | `--zero-1-memory-optimization` | optimizer state split over data-parallel "
+        "| ZeRO-1 | `--sharding zero1` | optimizer state split over data-parallel "
         "ranks | one parameter broadcast per step |",
-        "| ZeRO-2 | `--zero-2-memory-optimization` | gradients split too | reduce-scatter "
+        "| ZeRO-2 | `--sharding zero2` | gradients split too | reduce-scatter "
         "instead of all-reduce: about the same traffic |",
         "| selective recompute | `--recompute-granularity selective` | pointwise ops' and norms' "
         "activations | recomputed pointwise ops: 0.87x speed on a CPU |",
         "| full recompute | `--recompute-granularity full` | every layer keeps only its input | "
         "a second forward: -25 to -30% tokens/s at GPT-1.3B on an H200 |",
-        "| ZeRO-3 | `--zero-3-memory-optimization` | parameters split too | parameters gathered "
+        "| ZeRO-3 | `--sharding zero3` | parameters split too | parameters gathered "
         "twice per step: 1.5x the traffic of data parallelism |",
         "| CPU offload | `--cpu-offload` | model state in host memory | the optimizer steps on "
         "the CPU, state crosses PCIe every step |",

@@ -29,7 +29,7 @@ import torch
 from common import argument_parser, stamp, write_results
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.accel.deepspeed_state import held_state_bytes
+from rapidformer.accel.deepspeed.state import held_state_bytes
 from rapidformer.memory import StateBytes, measured_bytes
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.testing import run_distributed

@@ -30,15 +30,15 @@ import torch
 from common import argument_parser, stamp, write_results
 
 from rapidformer import RapidformerConfig
-from rapidformer.accel.eager import EagerForwardBackward
-from rapidformer.accel.pipeline import apply_pipeline
-from rapidformer.accel.stepper import TorchStepper
+from rapidformer.accel.pipeline.schedule import apply_pipeline
 from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.distributed import ParallelDims, ParallelMesh
 from rapidformer.dryrun import dry_run, gpt_workload
 from rapidformer.dryrun.simulate import fake_world
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import TrainState
+from rapidformer.step.forward_backward import EagerForwardBackward
+from rapidformer.step.optimizer_step import TorchStepper
 
 BYTES_PER_PARAMETER = 16  # fp16 mixed-precision Adam
 GPT_1_3B = GPTConfig(

@@ -28,7 +28,7 @@ from common import argument_parser, stamp, write_results
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.models.moe import GroupedExperts
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 from rapidformer.testing import MarkovLMDataset, lm_tokens, pad_collate
 from rapidformer.testing.tiny import IGNORE_INDEX
 

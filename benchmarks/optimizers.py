@@ -24,8 +24,8 @@ from common import argument_parser, stamp, write_results
 from pytorch_optimizer import Lamb as ReferenceLamb
 from torch import nn
 
-from rapidformer.accel.lamb import Lamb
-from rapidformer.accel.optimizers import parameter_groups
+from rapidformer.accel.optim.lamb import Lamb
+from rapidformer.accel.optim.optimizers import parameter_groups
 from rapidformer.testing import TinyTransformerLM
 
 HIDDEN, LAYERS, VOCAB, LR, DECAY = 512, 6, 32000, 1e-3, 0.01

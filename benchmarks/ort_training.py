@@ -3,7 +3,7 @@
 Two models train on fixed random batches through RapidformerEngine (forward, backward, clipping,
 fused AdamW): a Hugging Face BertForSequenceClassification and rapidformer's built-in GPT (both
 hidden 128, 4 layers, 4 heads, dropout 0, batch 16 x 128 tokens). The ORT engine runs forward
-and backward through rapidformer.accel.onnxruntime.OrtTrainStep (onnxruntime-training's
+and backward through rapidformer.accel.onnx.training.OrtTrainStep (onnxruntime-training's
 training API, gradients handed to torch); the eager engine runs the same model in torch. The
 first ORT step (export and gradient-graph build) is timed separately; then rounds alternate
 eager and ORT (several steps each) and the medians of per-step times give the ratio. torch and
@@ -26,7 +26,7 @@ from common import argument_parser, stamp, write_results
 from torch import nn
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.accel.onnxruntime import OrtTrainStep, ort_version
+from rapidformer.accel.onnx.training import OrtTrainStep, ort_version
 from rapidformer.models.gpt import GPTConfig, GPTModel
 
 HIDDEN, LAYERS, HEADS, BATCH, SEQ, VOCAB = 128, 4, 4, 16, 128, 1000

@@ -28,8 +28,8 @@ from common import argument_parser, stamp, write_results
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from rapidformer.accel.pipeline import _SCHEDULES
-from rapidformer.accel.pipeline_layout import StageLayout
+from rapidformer.accel.pipeline.layout import StageLayout
+from rapidformer.accel.pipeline.schedule import _SCHEDULES
 from rapidformer.testing import run_distributed
 
 FORWARD_S, BACKWARD_S = 0.020, 0.040

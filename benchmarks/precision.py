@@ -72,7 +72,7 @@ def run_one(
     import torch.nn.functional as F
 
     from rapidformer import RapidformerConfig, RapidformerEngine
-    from rapidformer.state import StepFunctions
+    from rapidformer.step_io import StepFunctions
 
     engine = RapidformerEngine(
         RapidformerConfig.from_dict({"lr": 1e-4, "precision": precision, "seed": 0}),

@@ -4,9 +4,9 @@ traceback unless --debug asks for one; nothing left under --save that a later ru
 for a checkpoint.
 
 Every case runs ``rapidformer.cli.main`` in this process (what the ``rapidformer`` command
-runs; tests/test_preemption.py checks the real command's exit code and silence). The inputs
-are built once per module: a preprocessed pretraining corpus, a tiny BERT, fine-tuning files,
-user scripts and a checkpoint.
+runs; tests/reliability/test_preemption.py checks the real command's exit code and silence).
+The inputs are built once per module: a preprocessed pretraining corpus, a tiny BERT,
+fine-tuning files, user scripts and a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.conftest import DETERMINISTIC_SCRIPT, TINY_FLAGS
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ CASES = [
     _flags(
         "fp16-and-bf16",
         ["--mixed-precision", "--precision", "bf16"],
-        ("--mixed-precision", "pass only --precision"),
+        ("--mixed-precision", "means --precision fp16, which contradicts --precision bf16"),
     ),
     _flags(
         "moe-flag-without-experts",

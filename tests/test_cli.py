@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rapidformer.cli import main
-from tests.conftest import EXAMPLE, read_losses
+from tests.helpers.trainers import EXAMPLE, read_losses
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

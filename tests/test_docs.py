@@ -30,6 +30,8 @@ def test_every_switch_is_in_the_feature_table_with_its_true_status() -> None:
     for flag in (
         "--mixed-precision",
         "--checkpoint-activations",
+        "--sharding",
+        "--recompute-granularity",
         "--global-batch-size",
         "--save",
         "--load",

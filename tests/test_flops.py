@@ -13,7 +13,7 @@ import torch
 from rapidformer.flops import flop_shape, flops_per_token, linear_weights
 from rapidformer.hardware import gpu_peak, precision_support
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from tests.conftest import tiny_trainer
+from tests.helpers.trainers import tiny_trainer
 
 L, H, V, S = 2, 32, 100, 16  # the built-in GPT below: layers, hidden, vocabulary, sequence
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.trainers import ROOT
 
 MISSING_ON_THE_GPU_IMAGE = (
     "datasets",
@@ -98,7 +98,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 sys.path[:0] = ["benchmarks/gpu", "benchmarks", "src", "."]
 import suite, side_by_side
-import tests.conftest, tests.gpu.helpers, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
+import tests.helpers.gpu, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
 print("imported")
 """
     done = subprocess.run(

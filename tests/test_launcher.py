@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import rapidformer
-from tests.distributed.parity import PARITY, train_gpt
+from tests.helpers.parity import PARITY, train_gpt
 
 
 def _zero2_run(layout: dict[str, Any]) -> dict[str, Any]:

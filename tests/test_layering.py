@@ -1,16 +1,34 @@
-"""Imports flow one way (config -> distributed -> state -> accel -> engine -> templates), and
-the engine and the Trainer's loop hold no backend-specific branches: backends arrive through
-the train state's slots, registered in engine/order.py only."""
+"""The house rules a maintainer relies on, checked on the code itself.
+
+* Imports flow one way (config -> distributed -> state -> step -> accel -> engine ->
+  templates), and the engine and the Trainer's loop hold no backend-specific branches:
+  backends arrive through the train state's slots, registered in engine/order.py only.
+* Each acceleration refuses only its own flags (what it cannot run with is in its own
+  module), and every flag has at most one owner.
+* Only the engine drives the step guard.
+* Tests mirror ``src/``; no test module imports from another test module.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import itertools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "rapidformer"
+from rapidformer import RapidformerConfig
+from rapidformer.config.validate import Feature, RunContext
+from rapidformer.engine.order import BACKENDS, FEATURES
+from rapidformer.engine.validation import parallel_dims
+from rapidformer.errors import Violation
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "rapidformer"
+TESTS = ROOT / "tests"
 
 
 def _imports(path: Path) -> set[str]:
@@ -32,14 +50,25 @@ def _files(folder: str) -> list[Path]:
     ("folder", "forbidden"),
     [
         ("accel", ("rapidformer.engine", "rapidformer.templates", "rapidformer.checkpoint")),
+        (
+            "step",
+            (
+                "rapidformer.accel",
+                "rapidformer.engine",
+                "rapidformer.templates",
+                "rapidformer.checkpoint",
+            ),
+        ),
         ("config", ("rapidformer.distributed", "rapidformer.accel", "rapidformer.engine")),
         ("distributed", ("rapidformer.accel", "rapidformer.engine", "rapidformer.templates")),
-        ("state.py", ("rapidformer.accel", "rapidformer.engine", "rapidformer.checkpoint")),
+        ("state.py", ("rapidformer.step.", "rapidformer.accel", "rapidformer.engine")),
+        ("step_io.py", ("rapidformer.state", "rapidformer.step.", "rapidformer.accel")),
         ("checkpoint", ("rapidformer.engine", "rapidformer.templates")),
-        ("models", ("rapidformer.accel", "rapidformer.engine", "rapidformer.templates")),
+        ("models", ("rapidformer.step.", "rapidformer.accel", "rapidformer.engine")),
         (
             "reliability",
             (
+                "rapidformer.step.",
                 "rapidformer.accel",
                 "rapidformer.engine",
                 "rapidformer.templates",
@@ -69,29 +98,33 @@ def test_the_engine_and_the_loop_name_no_backend_except_where_they_are_chosen() 
             assert not pattern.search(line), f"{path.relative_to(SRC)}:{number}: {line.strip()}"
 
 
-def _code_lines(path: Path) -> list[tuple[int, str]]:
-    """``path``'s lines that are code (comments and docstrings dropped)."""
+def _code_lines(path: Path, skip_functions: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """``path``'s lines that are code (comments and docstrings dropped, and the bodies of
+    the functions named in ``skip_functions``)."""
     tree = ast.parse(path.read_text())
-    docstrings = set()
+    dropped = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
             value = body[0].value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                docstrings.update(range(body[0].lineno, (body[0].end_lineno or 0) + 1))
+                dropped.update(range(body[0].lineno, (body[0].end_lineno or 0) + 1))
+        if isinstance(node, ast.FunctionDef) and node.name in skip_functions:
+            dropped.update(range(node.lineno, (node.end_lineno or 0) + 1))
     lines = path.read_text().splitlines()
     return [
         (number, line.split("#")[0])
         for number, line in enumerate(lines, 1)
-        if number not in docstrings and line.split("#")[0].strip()
+        if number not in dropped and line.split("#")[0].strip()
     ]
 
 
 def test_no_accel_module_asks_which_backend_another_one_is() -> None:
-    """Only DeepSpeed's own module (its slots and rules) reads --zero-backend; the native
-    steps are simply not in DeepSpeed's order (engine/order.py)."""
+    """Only DeepSpeed's own package (its slots and rules) reads --zero-backend; the native
+    steps are simply not in DeepSpeed's order, and a switch DeepSpeed cannot run says so in
+    its feature (``refused_on``), which engine/order.py reads."""
     for path in _files("accel"):
-        if path.name in {"deepspeed.py", "deepspeed_state.py"}:
+        if "deepspeed" in path.relative_to(SRC).parts:
             continue
         for number, line in _code_lines(path):
             assert "zero_backend" not in line, f"{path.relative_to(SRC)}:{number}: {line.strip()}"
@@ -100,19 +133,18 @@ def test_no_accel_module_asks_which_backend_another_one_is() -> None:
 def test_only_the_pipeline_slot_knows_it_is_a_pipeline() -> None:
     """What precision, data parallelism and checkpoints need from a pipeline they ask the
     forward-backward slot (``forward_modules``, ``gradient_sync``, ``holds_whole_model``):
-    nobody else inspects the slot's type or its private members."""
+    nobody else inspects the slot's type or its private members. Validation rules may read
+    the pipeline degree: they run before any slot exists."""
     pattern = re.compile(
         r"PipelineForwardBackward|forward_backward\.(modules|model|_)|dims\.pp > 1"
     )
-    # sharding decides FSDP2's resharding by the pp degree; DeepSpeed's rules refuse pp, and
-    # the MoE rules refuse global_aux_loss with pp (validation, before any slot exists).
-    allowed = {"pipeline.py", "pipeline_layout.py", "pipelined_model.py", "sharding.py"}
-    allowed |= {"deepspeed.py", "moe_rules.py"}
-    for folder in ("accel", "checkpoint", "templates", "engine"):
+    # sharding decides FSDP2's resharding by the pp degree.
+    allowed = {"sharding.py"}
+    for folder in ("accel", "step", "checkpoint", "templates", "engine"):
         for path in _files(folder):
-            if path.name in allowed:
+            if path.name in allowed or "pipeline" in path.relative_to(SRC).parts:
                 continue
-            for number, line in _code_lines(path):
+            for number, line in _code_lines(path, skip_functions=("rules", "native_rules")):
                 assert not pattern.search(line), f"{path.relative_to(SRC)}:{number}: {line}"
 
 
@@ -127,21 +159,21 @@ def test_the_engine_never_branches_on_moe() -> None:
 
 def test_one_helper_takes_a_tensors_local_part() -> None:
     """``rapidformer.distributed.tensors.local_part`` is the only DTensor-to-local helper."""
-    pattern = re.compile(r"to_local\(\) if isinstance|def _local\(")
-    for path in SRC.rglob("*.py"):
-        if path.name == "tensors.py":
+    pattern = re.compile(r"to_local\(\) if isinstance|def _?local\(")
+    for path in [*SRC.rglob("*.py"), *TESTS.rglob("*.py")]:
+        if path.name in ("tensors.py", "test_layering.py"):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            assert not pattern.search(line), f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+            assert not pattern.search(line), f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
 
 
 @pytest.mark.parametrize(
     ("path", "limit"),
     [
-        ("engine/engine.py", 300),
+        ("engine/engine.py", 400),
         ("templates/finetuner.py", 400),
         ("templates/trainer.py", 400),
-        ("accel/pipeline.py", 400),
+        ("accel/pipeline/schedule.py", 400),
     ],
 )
 def test_the_busiest_files_stay_small(path: str, limit: int) -> None:
@@ -169,3 +201,198 @@ def test_the_finetuner_loads_nothing_itself() -> None:
     """Hugging Face loading, its error mapping and saving live in rapidformer.models."""
     for number, line in _code_lines(SRC / "templates" / "finetuner.py"):
         assert "from_pretrained" not in line, f"finetuner.py:{number}: {line.strip()}"
+
+
+# ---- each acceleration refuses only its own flags ------------------------------------------
+
+SWITCHES: dict[str, dict[str, object]] = {
+    "moe": {"num_experts": 4, "moe_router_load_balancing_type": "global_aux_loss"},
+    "ep": {"num_experts": 4, "expert_model_parallel_size": 2, "moe_use_upcycling": True},
+    "pp": {"pipeline_model_parallel_size": 2, "pipeline_schedule": "ZBV"},
+    "tp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "zero1": {"sharding": "zero1"},
+    "zero3": {"sharding": "zero3", "cpu_offload": True},
+    "offload": {"cpu_offload": True},
+    "compile": {"torch_compile": True, "torch_compile_scope": "model"},
+    "recompute": {
+        "recompute_granularity": "selective",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+    "fused": {"fused_lm_loss": True},
+    "fp8": {"precision": "fp8", "fp8_recipe": "rowwise"},
+    "fp16": {"precision": "fp16"},
+    "liger": {"liger_kernel": True},
+    "ort": {"onnx_runtime_training": True},
+    "lamb": {"optimizers": "apex_lamb"},
+    "deepspeed": {"zero_backend": "deepspeed"},
+    # Flags that only mean something beside a switch, given without it.
+    "strays": {
+        "fp8_recipe": "rowwise",
+        "torch_compile_mode": "max-autotune",
+        "pipeline_layer_split": "1,1",
+        "moe_router_topk": 1,
+        "recompute_num_layers": 2,
+    },
+}
+"""Settings that switch each acceleration on (or misuse its flags); every pair is checked."""
+
+
+def _violations_by_owner(
+    config: RapidformerConfig, context: RunContext
+) -> Iterator[tuple[Feature | str, Violation]]:
+    """Each feature's violations under ``config``, with their owner; the backend's refusals
+    are owned by the feature they name (engine/order.py builds them from ``refused_on``)."""
+    for feature in FEATURES:
+        for violation in feature.rules(config, context):
+            yield feature, violation
+    chosen = BACKENDS[config.memory.zero_backend]
+    for violation in chosen._refusals(config, context):
+        yield "refusal", violation
+
+
+def _foreign(feature: Feature | str, violation: Violation) -> bool:
+    if isinstance(feature, Feature):
+        return violation.flag not in feature.flags
+    return not any(violation.flag == f.flags[0] for f in FEATURES)
+
+
+def _matrix() -> Iterator[tuple[str, RapidformerConfig, RunContext]]:
+    for (a, one), (b, other) in itertools.combinations_with_replacement(SWITCHES.items(), 2):
+        settings = {"train_iters": 1, "lr": 1e-3, "num_layers": 4, **one, **other}
+        config = RapidformerConfig.from_dict(settings)
+        dims = parallel_dims(config, world_size=8)
+        for runs_loop, here in ((True, True), (False, False)):
+            yield f"{a}+{b}", config, RunContext(dims, runs_loop=runs_loop, on_this_machine=here)
+
+
+def test_no_accel_module_refuses_another_features_flag() -> None:
+    """Where a switch cannot run with another, its own rules refuse its own flag and name
+    the other in the text: adding a switch never edits another switch's rules."""
+    foreign, refusals = [], 0
+    for name, config, context in _matrix():
+        for owner, violation in _violations_by_owner(config, context):
+            refusals += 1
+            if _foreign(owner, violation):
+                label = owner.name if isinstance(owner, Feature) else owner
+                foreign.append(f"{name}: {label} refused {violation}")
+    assert not foreign, "\n".join(foreign[:10])
+    assert refusals > 200, refusals  # the matrix reaches the rules (the check is not vacuous)
+
+
+def test_the_ownership_check_catches_a_foreign_refusal() -> None:
+    """The check above would see a feature that refuses another's flag."""
+
+    def meddling(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+        yield Violation("--pipeline-model-parallel-size", 2, "not with me", "drop it")
+
+    feature = Feature("meddling", flags=("--fused-lm-loss",), rules=meddling)
+    config = RapidformerConfig()
+    context = RunContext(parallel_dims(config, 1))
+    assert all(_foreign(feature, v) for v in feature.rules(config, context))
+
+
+def test_every_flag_has_at_most_one_owner_and_every_rule_a_feature() -> None:
+    owners: dict[str, str] = {}
+    for feature in FEATURES:
+        for flag in feature.flags:
+            assert flag not in owners, f"{flag} is owned by {owners[flag]} and {feature.name}"
+            owners[flag] = feature.name
+    registered = {feature.rules for feature in FEATURES}
+    for path in _files("accel"):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "rules" for n in tree.body):
+            rules = importlib.import_module(module).rules
+            assert rules in registered, f"{module}.rules belongs to no registered FEATURE"
+
+
+def test_refusals_name_literal_flags_of_their_own_feature() -> None:
+    """Statically too: a ``Violation("--flag", ...)`` written in an accel module names a flag
+    of the feature that module (or its package) declares."""
+    for path in _files("accel"):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        owned = _owned_flags(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "Violation"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                flag = node.args[0].value
+                assert flag in owned, f"{module}:{node.lineno} refuses {flag}, not its own"
+
+
+def _owned_flags(module: str) -> set[str]:
+    """The flags of the FEATURE ``module`` declares, or its package does."""
+    feature = getattr(importlib.import_module(module), "FEATURE", None)
+    if feature is None and module.count(".") > 2:  # a helper inside a feature's package
+        feature = getattr(importlib.import_module(module.rsplit(".", 1)[0]), "FEATURE", None)
+    return set(feature.flags) if isinstance(feature, Feature) else set()
+
+
+# ---- only the engine drives the guard ------------------------------------------------------
+
+
+def test_only_the_engine_drives_the_step_guard() -> None:
+    """Steppers are handed the guard's decision; templates ask the engine (judge_skipped_steps,
+    resume_at, stop_signal). No one else holds the guard or calls it."""
+    calls = re.compile(
+        r"\bStepGuard\b|\.guard\b|\.(decide|read_now|judge_read|step_done|judge_pending|"
+        r"observe_loss)\("
+    )
+    for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).as_posix() in ("engine/engine.py", "reliability/guard.py"):
+            continue
+        for number, line in _code_lines(path):
+            if line.lstrip().startswith(("from ", "import ")):
+                continue  # the Decision type a stepper is handed
+            assert not calls.search(line), f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+
+
+# ---- tests mirror src/ and share helpers in one place -------------------------------------
+
+TEST_ONLY_FOLDERS = {"helpers", "scripts", "gpu"}
+"""Folders of tests/ that mirror nothing: shared helpers, scripts the tests run, CUDA tests."""
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    """tests/X/Y/ exists only where src/rapidformer/X/Y/ does; a top-level test is about a
+    top-level module or cuts across packages, never about one package's code."""
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    for folder in TESTS.rglob("*"):
+        relative = folder.relative_to(TESTS)
+        if not folder.is_dir() or "__pycache__" in relative.parts:
+            continue
+        if relative.parts[0] in TEST_ONLY_FOLDERS:
+            continue
+        assert (SRC / relative).is_dir(), f"tests/{relative} mirrors no src/rapidformer/{relative}"
+    for path in TESTS.glob("test_*.py"):
+        topic = path.stem.removeprefix("test_")
+        owner = next((p for p in packages if topic == p or topic.startswith(p + "_")), None)
+        assert owner is None, f"tests/{path.name} is about {owner}/: move it to tests/{owner}/"
+
+
+def _test_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every ``from tests...`` / ``import tests...`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests"):
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("tests")]
+    return found
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    """Shared helpers live in tests/helpers/ (or rapidformer.testing); no test module reaches
+    into another one, or into conftest.py, and none imports a private name."""
+    for path in TESTS.rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        for module, names in _test_imports(path):
+            where = f"tests/{path.relative_to(TESTS)} imports {module}"
+            assert module.startswith("tests.helpers"), f"{where}: use tests/helpers/"
+            private = [name for name in names if name.startswith("_")]
+            assert not private, f"{where}: private {private}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rapidformer.templates.batches import batch_tokens
-from tests.conftest import tiny_trainer
+from tests.helpers.trainers import tiny_trainer
 
 
 def test_metrics_jsonl_and_tensorboard_agree(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers.trainers import ROOT
 
 NOTEBOOKS = sorted((ROOT / "examples" / "notebooks").glob("*.ipynb"))
 

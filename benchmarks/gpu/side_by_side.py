@@ -42,7 +42,7 @@ from torch import nn
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 
 VOCAB = 50304
 SEQ = 1024

@@ -109,7 +109,7 @@ def recompute_section(dry: bool) -> dict[str, Any]:
     import side_by_side
 
     from rapidformer import RapidformerConfig, RapidformerEngine
-    from rapidformer.state import StepFunctions
+    from rapidformer.step_io import StepFunctions
 
     row = side_by_side.TINY[0] if dry else side_by_side.MODELS[1]
     seq, vocab, steps = (32, 512, 2) if dry else (side_by_side.SEQ, side_by_side.VOCAB, 10)
@@ -179,8 +179,8 @@ def _dry_run_mb(config: Any, row: Any, seq: int, vocab: int) -> float:
 
 # ---- 3. optimizers -----------------------------------------------------------------------
 def optimizer_section(dry: bool) -> dict[str, Any]:
-    from rapidformer.accel.lamb import Lamb
-    from rapidformer.accel.optimizers import parameter_groups
+    from rapidformer.accel.optim.lamb import Lamb
+    from rapidformer.accel.optim.optimizers import parameter_groups
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     layers, hidden = (2, 64) if dry else (24, 1024)

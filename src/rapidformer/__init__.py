@@ -15,7 +15,7 @@ _EXPORTS = {
     "Pretrainer": "rapidformer.templates",
     "RapidformerConfig": "rapidformer.config",
     "RapidformerEngine": "rapidformer.engine",
-    "StepFunctions": "rapidformer.state",
+    "StepFunctions": "rapidformer.step_io",
     "Trainer": "rapidformer.templates",
     "launch": "rapidformer.launcher",
     "parse_args": "rapidformer.config",
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rapidformer.config import parse_args as parse_args
     from rapidformer.engine import RapidformerEngine as RapidformerEngine
     from rapidformer.launcher import launch as launch
-    from rapidformer.state import StepFunctions as StepFunctions
+    from rapidformer.step_io import StepFunctions as StepFunctions
     from rapidformer.templates import DataBundle as DataBundle
     from rapidformer.templates import Finetuner as Finetuner
     from rapidformer.templates import Pretrainer as Pretrainer

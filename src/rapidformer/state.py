@@ -1,27 +1,34 @@
-"""What compose() builds and the slots that accelerations fill.
+"""What compose() builds: the train state, its slots, and the records accelerations write.
 
-:class:`TrainState` holds the accelerated model, optimizer and data of a run. Four slots say
-who does the work that several engines can do, so that the loop has one shape whatever runs it:
+:class:`TrainState` holds the accelerated model, optimizer and data of a run, one
+implementation of each **slot**, and **records** that one acceleration writes and the step
+reads (:class:`MixedPrecision`, :class:`ExpertParallel`, :class:`GradientSync`). The slots
+say who does the work that several engines can do, so that the loop has one shape whatever
+runs it:
 
 * ``forward_backward`` (:class:`ForwardBackward`): runs forward and backward of a step's
-  micro-batches. Eager torch autograd (with DDP or FSDP2 around the model; tensor and expert
-  parallelism later), DeepSpeed's engine and ONNX Runtime implement it; a pipeline schedule is
-  one more implementation.
+  micro-batches. Eager torch autograd (:mod:`rapidformer.step.forward_backward`, with DDP or
+  FSDP2 around the model, tensor and expert parallelism), a pipeline schedule, DeepSpeed's
+  engine and ONNX Runtime implement it.
 * ``stepper`` (:class:`Stepper`): turns the accumulated gradients into an update: unscale,
-  found-inf, gradient norm and clipping, the optimizer and schedule step. The torch optimizer
+  found-inf, gradient norm and clipping, then (after every rank agreed whether to skip) the
+  optimizer and schedule step. The torch optimizer (:mod:`rapidformer.step.optimizer_step`)
   and DeepSpeed's engine implement it.
 * ``checkpoint_format`` (:class:`CheckpointFormat`): how model and optimizer state are written
   and read. None means rapidformer's native choice (see :mod:`rapidformer.checkpoint`).
 * ``moe`` (:class:`RoutingControl`): the MoE layers' bookkeeping around each step; a model
   without them gets :class:`NoRouting`, whose calls do nothing, so the engine never branches.
+* ``monitors`` (:class:`StepMonitor`): watchers the engine calls after every step.
 
-This module sits below both ``accel/`` and ``engine/``: accelerations fill the slots, the engine
-and templates call them, and neither imports the other.
+What a step takes in and gives out is :mod:`rapidformer.step_io`.
+
+This module sits below ``step/``, ``accel/`` and ``engine/``: accelerations fill the slots and
+write the records, the engine and templates call them, and neither imports the other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,17 +36,17 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.step_io import FinishedGradients, StepFunctions, StepOutcome
 
 if TYPE_CHECKING:
     from rapidformer.memory import StateBytes
-    from rapidformer.reliability.guard import StepGuard
+    from rapidformer.reliability.guard import Decision
 
 
 @dataclass(frozen=True)
@@ -52,64 +59,6 @@ class PlanStep:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.engine}" + (f" ({self.detail})" if self.detail else "")
-
-
-ModelInputs = tuple[Any, ...] | Mapping[str, Any]
-"""What a model's forward is called with: positional arguments, or keyword arguments."""
-
-
-def call_model(model: Callable[..., Any], inputs: ModelInputs) -> Any:
-    """``model(*inputs)`` or ``model(**inputs)``."""
-    return model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
-
-
-@dataclass(frozen=True)
-class StepFunctions:
-    """The user's micro-step, as the forward-backward slot calls it.
-
-    ``train_step(batch)`` returns the micro-batch's loss: the mean over its units (samples or
-    tokens). ``weight(batch)`` returns how many units that is, from the batch alone, so that a
-    step's weights are known before any forward. The split form, ``model_inputs(batch)`` (what
-    the model's forward takes: positional or keyword arguments) and ``loss(outputs, batch)``, is
-    what a pipeline needs: its first stage sees only the inputs, its last computes the loss.
-    """
-
-    train_step: Callable[[Any], torch.Tensor]
-    weight: Callable[[Any], int | torch.Tensor]
-    model_inputs: Callable[[Any], ModelInputs] | None = None
-    loss: Callable[[Any, Any], torch.Tensor] | None = None
-
-
-def local_loss(loss: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor: a replicated DTensor (a vocab-parallel loss) becomes this
-    rank's copy, still in the autograd graph."""
-    if isinstance(loss, DTensor):
-        if not all(p.is_replicate() for p in loss.placements):
-            loss = loss.redistribute(placements=[Replicate()] * len(loss.placements))
-        return loss.to_local()
-    return loss
-
-
-def whole(tensor: Any) -> Any:
-    """A DTensor gathered into a plain tensor (e.g. vocabulary-sharded logits for a metric);
-    anything else unchanged."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the stepper did with one step's gradients. Where the step was decided on the
-    device, its numbers and its skip flag are 0-dim device tensors (reading one waits)."""
-
-    grad_norm: float | torch.Tensor
-    """Global gradient norm before clipping (inf or NaN on an fp16 overflow step)."""
-    lr: float | torch.Tensor
-    """Learning rate the step used."""
-    skipped: bool | torch.Tensor
-    """True (1.0) when the step was not applied (a non-finite loss or gradient, or an fp16
-    overflow)."""
-    stop: bool = False
-    """True when every rank agreed to stop after this step (a stop signal arrived)."""
 
 
 class ForwardBackward(Protocol):
@@ -177,7 +126,7 @@ class MicroStepBackward(Protocol):
 
 class RoutingControl(Protocol):
     """What the engine calls around each step of a model with MoE layers
-    (:class:`rapidformer.accel.moe.MoEControl`)."""
+    (:class:`rapidformer.accel.moe.control.MoEControl`)."""
 
     def begin_step(self, scales: torch.Tensor | None = None) -> None:
         """A step begins; ``scales`` are its micro-batches' loss weights when known."""
@@ -239,16 +188,28 @@ class StepMonitor(Protocol):
 
 
 class Stepper(Protocol):
-    """Applies one step's gradients; see the module docstring."""
+    """Applies one step's gradients; see the module docstring. The engine calls it in two
+    halves, with every rank's agreement on skipping the step between them."""
 
     name: str
+    skips_on_device: bool
+    """Whether :meth:`update` takes the skip as a device tensor; otherwise the engine reads
+    the decision to the host first (one read per step)."""
 
     def prepare(self, state: TrainState) -> PlanStep | None:
         """Called once compose() has the optimizer and the LR schedule: set up what the
         steps need and return a plan line (e.g. where a skip is decided), or None."""
         ...
 
-    def step(self, state: TrainState) -> StepOutcome: ...
+    def finish_gradients(self, state: TrainState) -> FinishedGradients:
+        """Make the step's gradients ready for the update (reductions, unscale, clipping)."""
+        ...
+
+    def update(
+        self, state: TrainState, gradients: FinishedGradients, decision: Decision
+    ) -> StepOutcome:
+        """Apply the update, or skip it where ``decision`` says so."""
+        ...
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         """(this rank once training, plain DDP) model-state bytes, before the first step."""
@@ -278,6 +239,57 @@ class CheckpointFormat(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class MixedPrecision:
+    """What the step needs of the run's precision. Written by ``apply_precision`` alone."""
+
+    autocast_dtype: torch.dtype | None = None
+    """The autocast dtype of the training forward (None: fp32)."""
+    grad_scaler: torch.amp.GradScaler | None = None
+    """fp16's dynamic loss scaler (None: no loss scaling)."""
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism (``--expert-model-parallel-size`` > 1). Written by
+    ``apply_expert_parallel`` alone."""
+
+    modules: tuple[nn.Module, ...]
+    """Each MoE layer's experts module this rank holds (its E / ep experts)."""
+    group: Any
+    """The expert-data-parallel ranks: those holding the same experts."""
+    degree: int
+    """The ep degree."""
+
+    def parameter_ids(self) -> frozenset[int]:
+        """Ids of the expert parameters as the modules hold them now (FSDP2 replaces them by
+        sharded ones when it shards the experts)."""
+        return frozenset(id(p) for module in self.modules for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """What the stepper does to average a step's gradients over the data-parallel ranks, once
+    DDP or FSDP2 did their part. Written by ``apply_data_parallel`` alone, after sharding
+    decided what FSDP2 reduces; the default (nothing to do) serves one rank, DDP without
+    experts, and slots that average themselves (DeepSpeed, ONNX Runtime)."""
+
+    average_group: Any = None
+    """Dense local gradients are averaged over this group once per step, where no DDP wrapper
+    does it (tensor-parallel or pipelined data parallelism); None otherwise."""
+    in_buckets: bool = False
+    """Whether the gradients are views of DDP's buckets: the step then zeroes them in place
+    instead of dropping them (a dropped view comes back as a fresh tensor, a second copy
+    beside the bucket, in the next step's first backward)."""
+    expert_ids: frozenset[int] = frozenset()
+    """Expert-parallel parameters (ids), whose gradients are reduced apart from the dense ones:
+    they already hold the contributions of the whole ep group's tokens."""
+    expert_group: Any = None
+    """Expert gradients are averaged over it (the edp ranks; None where FSDP2 did it) ..."""
+    expert_divisor: int = 1
+    """... and then divided by it (the ep degree)."""
+
+
 @dataclass
 class TrainState:
     """The model, optimizer, data and numerics of a run after compose().
@@ -286,6 +298,9 @@ class TrainState:
     called on (it may be wrapped, e.g. by DDP or DeepSpeed's engine, or be the stages of a
     pipeline callable as one model), and ``model_parts``, the modules this rank holds (one, or
     a pipeline's stages). :attr:`unwrapped_model` and :attr:`parameters` are derived from them.
+
+    What several accelerations decide and the step reads comes as records, each written by one
+    acceleration: ``precision``, ``experts``, ``gradient_sync``.
     """
 
     model: nn.Module
@@ -300,35 +315,21 @@ class TrainState:
     lr_scheduler: LRScheduler | None = None
     train_dataloader: DataLoader | None = None
     eval_dataloader: DataLoader | None = None
-    grad_scaler: torch.amp.GradScaler | None = None
-    autocast_dtype: torch.dtype | None = None
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
     loss_parallel: bool = False
     """Whether losses read vocabulary-sharded logits (tensor parallelism sets it): they and
     their backward then run under ``loss_parallel()`` (:func:`loss_context`)."""
+    experts: ExpertParallel | None = None
+    gradient_sync: GradientSync = field(default_factory=GradientSync)
     checkpoint_format: CheckpointFormat | None = None
     plan: list[PlanStep] = field(default_factory=list)
     model_parts: list[nn.Module] = field(default_factory=list)
-    gradient_average_group: Any = None
-    """The process group the stepper averages local gradients over before the update, where
-    no DDP wrapper does it (tensor-parallel or pipelined data parallelism); None otherwise."""
-    gradients_in_buckets: bool = False
-    """Whether the gradients are views of DDP's buckets: the step then zeroes them in place
-    instead of dropping them (a dropped view comes back as a fresh tensor, a second copy
-    beside the bucket, in the next step's first backward)."""
-    step_guard: StepGuard | None = None
-    """Every rank's per-step agreement to skip (non-finite values) or stop (a signal); the
-    stepper asks it before applying a step. Set by the engine."""
     moe: RoutingControl = field(default_factory=NoRouting)
     """The MoE layers' step bookkeeping (loss scales, expert bias, statistics); does nothing
     without --num-experts."""
-    expert_gradient_ids: frozenset[int] = frozenset()
-    """Expert-parallel parameters (ids): their gradients are averaged over
-    ``expert_average_group`` and divided by the ep degree instead of averaged over dp."""
-    expert_average_group: Any = None
-    expert_parallel_size: int = 1
     monitors: list[StepMonitor] = field(default_factory=list)
     """Watchers the engine calls after every step (compile's graph count and fallbacks)."""
-    _settled_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
+    _frozen_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_parts:
@@ -347,17 +348,17 @@ class TrainState:
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of ``model_parts`` as the accelerations left them: what gradients
         accumulate on, clipping reads and checkpoints inspect. While compose() runs they are
-        read afresh (each step may replace them); :meth:`settle` then keeps them, because
-        FSDP2 swaps unsharded copies into the modules for a forward (and, without resharding
-        after forward, leaves them there until the next backward)."""
-        if self._settled_parameters is not None:
-            return self._settled_parameters
+        read afresh (each step may replace them); :meth:`freeze_parameters` then keeps them,
+        because FSDP2 swaps unsharded copies into the modules for a forward (and, without
+        resharding after forward, leaves them there until the next backward)."""
+        if self._frozen_parameters is not None:
+            return self._frozen_parameters
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def settle(self) -> None:
+    def freeze_parameters(self) -> None:
         """Keep the parameters as they are now (compose() calls it once every acceleration
         is applied)."""
-        self._settled_parameters = [p for part in self.model_parts for p in part.parameters()]
+        self._frozen_parameters = [p for part in self.model_parts for p in part.parameters()]
 
 
 def loss_context(state: TrainState) -> AbstractContextManager[Any]:
@@ -371,8 +372,9 @@ def evaluation_context(state: TrainState) -> Iterator[None]:
     """No gradients, the training precision and the loss context, for forwards of the
     unwrapped model (outside the autocast that wraps the training forward)."""
     with torch.no_grad(), loss_context(state):
-        if state.autocast_dtype is None:
+        dtype = state.precision.autocast_dtype
+        if dtype is None:
             yield
             return
-        with torch.autocast(device_type=state.device.type, dtype=state.autocast_dtype):
+        with torch.autocast(device_type=state.device.type, dtype=dtype):
             yield

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rapidformer.testing import run_distributed
-from tests.conftest import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
 
 TOLERANCE = 1e-5
 

@@ -93,9 +93,9 @@ def test_through_the_engine_it_composes_with_recompute_and_compile(
     """fp8 (emulated) with selective recomputation and compile (dynamo's eager backend: the
     graphs, not the kernels) through the engine: the plan lists the conversion, and the losses
     stay within the emulation bound of the same run in bf16."""
-    from rapidformer.accel import compile as compile_module
     from rapidformer.accel import fp8
-    from rapidformer.state import StepFunctions
+    from rapidformer.accel.compile import apply as compile_module
+    from rapidformer.step_io import StepFunctions
 
     monkeypatch.setattr(fp8, "EMULATE", True)
     monkeypatch.setattr(compile_module, "BACKEND", "eager")
@@ -129,7 +129,7 @@ def _fp8_losses(out: str) -> None:
     from pathlib import Path
 
     from rapidformer.accel import fp8
-    from rapidformer.state import StepFunctions
+    from rapidformer.step_io import StepFunctions
 
     torch.set_num_threads(1)
     fp8.EMULATE = True

@@ -22,7 +22,7 @@ from rapidformer.models.fused_loss import fused_linear_cross_entropy
 from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.testing import TinyTransformerLM
 from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
-from tests.conftest import read_losses
+from tests.helpers.trainers import read_losses
 
 PARITY = 1e-5
 
@@ -225,7 +225,7 @@ def _gpt_losses(out: str, fused: bool) -> None:
     import os
 
     from rapidformer.models.gpt import GPTConfig, GPTModel
-    from rapidformer.state import StepFunctions
+    from rapidformer.step_io import StepFunctions
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -10,7 +10,7 @@ import torch
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
-from tests.conftest import read_losses, tiny_trainer
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 TOLERANCE = 5e-2  # max |loss - fp32 loss| over the run, tiny model
 
@@ -39,25 +39,29 @@ def _batch() -> dict[str, torch.Tensor]:
 def test_autocast_takes_effect(precision: str, dtype: torch.dtype) -> None:
     engine, model = _engine(precision)
     assert model(_batch()["input_ids"]).dtype == dtype
-    assert (engine.state.grad_scaler is not None) == (precision == "fp16")  # type: ignore[union-attr]
+    assert (engine.state.precision.grad_scaler is not None) == (precision == "fp16")  # type: ignore[union-attr]
 
 
 def test_fp16_skips_an_overflow_step_and_lowers_the_scale() -> None:
     engine, model = _engine("fp16")
     state = engine.state
-    assert state is not None and state.grad_scaler is not None and state.lr_scheduler is not None
+    assert (
+        state is not None
+        and state.precision.grad_scaler is not None
+        and state.lr_scheduler is not None
+    )
 
     engine.backward(lm_loss(model, _batch())["loss"])
     first = engine.step()
     assert first is not None and not first.skipped
-    scale = state.grad_scaler.get_scale()
+    scale = state.precision.grad_scaler.get_scale()
     before = {k: v.clone() for k, v in state.unwrapped_model.state_dict().items()}
     schedule_position = state.lr_scheduler.last_epoch
 
     engine.backward(lm_loss(model, _batch())["loss"] * 1e30)  # overflows fp16 in backward
     overflow = engine.step()
     assert overflow is not None and overflow.skipped
-    assert state.grad_scaler.get_scale() == scale / 2
+    assert state.precision.grad_scaler.get_scale() == scale / 2
     after = state.unwrapped_model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights"
     assert state.lr_scheduler.last_epoch == schedule_position

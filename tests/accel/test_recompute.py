@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.errors import ConfigError
+from rapidformer.models.blocks import find_blocks
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
-from tests.conftest import read_losses, tiny_trainer
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.compat.pai_scripts import FINETUNE, LOOP, OUR_IMPORT, PAI_IMPORT, PRETRAIN
-from tests.conftest import ROOT, read_losses
+from tests.helpers.pai_scripts import FINETUNE, LOOP, OUR_IMPORT, PAI_IMPORT, PRETRAIN
+from tests.helpers.trainers import ROOT, read_losses
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 PARITY = 1e-5  # fp32 across 1 and 2 ranks: max |difference| of any step's loss

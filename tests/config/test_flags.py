@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from rapidformer import RapidformerConfig, parse_args
+from rapidformer.config.aliases import ALIASES
 from rapidformer.config.docs import render_parameters
 from rapidformer.config.fields import FieldSpec, all_fields
 from rapidformer.errors import ConfigError
@@ -102,7 +103,12 @@ def _read(config: RapidformerConfig, spec: FieldSpec) -> object:
 
 def test_config_has_every_reference_flag_with_its_type_default_and_choices() -> None:
     specs = {spec.flag: spec for spec in all_fields()}
+    aliases = {alias.flag for alias in ALIASES}  # boolean flags that set a typed field
     for flag, (kind, default, choices) in REFERENCE_FLAGS.items():
+        if flag in aliases:
+            assert (kind, default, choices) == (bool, False, None), flag
+            assert parse_args([flag]) != parse_args([]), f"{flag} sets nothing"
+            continue
         spec = specs[flag]
         assert spec.kind is kind, flag
         assert spec.default == default, flag
@@ -137,8 +143,85 @@ def test_command_line_overrides_the_file(tmp_path: Path) -> None:
     config = parse_args(["--config", str(path), "--micro-batch-size", "8"])
     assert config.data.micro_batch_size == 8
     assert config.training.lr == 1e-4  # YAML reads 1e-4 as a string; it is coerced
-    assert config.precision.mixed_precision is True
-    assert config.precision.resolved == "fp16"
+    assert config.precision.precision == "fp16"  # --mixed-precision in the file
+
+
+EXPECTED_ALIASES = {
+    "--oss-memory-optimization": ("memory", "sharding", "zero1"),
+    "--zero-1-memory-optimization": ("memory", "sharding", "zero1"),
+    "--oss-sdp-memory-optimization": ("memory", "sharding", "zero2"),
+    "--zero-2-memory-optimization": ("memory", "sharding", "zero2"),
+    "--fsdp-memory-optimization": ("memory", "sharding", "zero3"),
+    "--zero-3-memory-optimization": ("memory", "sharding", "zero3"),
+    "--checkpoint-activations": ("memory", "recompute_granularity", "full"),
+    "--mixed-precision": ("precision", "precision", "fp16"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(EXPECTED_ALIASES))
+def test_each_alias_sets_its_typed_field_from_the_command_line_yaml_and_a_dict(
+    flag: str, tmp_path: Path
+) -> None:
+    section, name, value = EXPECTED_ALIASES[flag]
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{flag.lstrip('-')}: true\n")
+    key = flag.lstrip("-").replace("-", "_")
+    for config in (
+        parse_args([flag]),
+        parse_args(["--config", str(path)]),
+        RapidformerConfig.from_dict({key: True}),
+        RapidformerConfig().replace(**{key: True}),
+    ):
+        assert getattr(getattr(config, section), name) == value
+        # The saved form holds the typed field only, and reads back the same.
+        assert key not in config.to_dict()[section]
+        assert RapidformerConfig.from_dict(config.to_dict()) == config
+    assert RapidformerConfig.from_dict({key: False}) == RapidformerConfig()
+
+
+def test_aliases_that_disagree_are_refused_naming_both() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_args(["--zero-1-memory-optimization", "--fsdp-memory-optimization"])
+    assert (
+        "--fsdp-memory-optimization=True: means --sharding zero3, which contradicts "
+        "--zero-1-memory-optimization" in str(caught.value)
+    )
+    with pytest.raises(ConfigError, match="contradicts --recompute-granularity selective"):
+        parse_args(["--checkpoint-activations", "--recompute-granularity", "selective"])
+    with pytest.raises(ConfigError, match="means --precision fp16, which contradicts --precision"):
+        RapidformerConfig.from_dict({"mixed_precision": True, "precision": "bf16"})
+    # Two spellings of one choice agree.
+    config = parse_args(["--oss-sdp-memory-optimization", "--zero-2-memory-optimization"])
+    assert config.memory.sharding == "zero2"
+
+
+def test_an_alias_on_the_command_line_overrides_the_typed_field_in_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("sharding: zero3\nrecompute_granularity: selective\n")
+    config = parse_args(
+        ["--config", str(path), "--zero-1-memory-optimization", "--checkpoint-activations"]
+    )
+    assert (config.memory.sharding, config.memory.recompute_granularity) == ("zero1", "full")
+
+
+def test_a_config_saved_before_the_typed_fields_reads_back() -> None:
+    """Checkpoints written before one typed sharding / recompute / precision choice stored
+    every boolean, with the typed field at its default beside the one that was on."""
+    saved = {
+        "memory": {
+            "oss_memory_optimization": False,
+            "zero_2_memory_optimization": True,
+            "checkpoint_activations": True,
+            "recompute_granularity": None,
+        },
+        "precision": {"mixed_precision": True, "precision": "fp32"},
+    }
+    config = RapidformerConfig.from_dict(saved)
+    assert config.memory.sharding == "zero2"
+    assert config.memory.recompute_granularity == "full"
+    assert config.precision.precision == "fp16"
 
 
 def test_both_spellings_of_the_causal_lm_task_are_accepted() -> None:
@@ -172,3 +255,7 @@ def test_parameters_doc_matches_the_config() -> None:
     assert committed == render_parameters(), "docs/parameters.md is stale: run `make docs`"
     for spec in all_fields():
         assert f"`{spec.flag}`" in committed
+    for alias in ALIASES:
+        assert f"| `{alias.flag}` | bool | `False` | — | Alias: the same as `{alias.meaning}`" in (
+            committed
+        )

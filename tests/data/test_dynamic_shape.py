@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from rapidformer.data.dynamic_shape import LengthGroupedSampler, bucket_for, bucket_lengths
 from rapidformer.errors import ConfigError
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
-from tests.conftest import read_losses, tiny_trainer
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 
 def test_bucket_lengths_are_few_multiples_of_8() -> None:

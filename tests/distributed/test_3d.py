@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rapidformer.testing import run_distributed
-from tests.distributed.parity import PARITY, train_gpt
+from tests.helpers.parity import PARITY, train_gpt
 
 TWO_RANKS: dict[str, dict[str, Any]] = {
     "tp2": {"tensor_model_parallel_size": 2},

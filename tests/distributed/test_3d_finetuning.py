@@ -15,7 +15,7 @@ from rapidformer import Finetuner, parse_args
 from rapidformer.cli import main
 from rapidformer.errors import ConfigError
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.conftest import read_losses
+from tests.helpers.trainers import read_losses
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY_FLAGS, read_losses
+from tests.helpers.trainers import ROOT, TINY_FLAGS, read_losses
 
 pytestmark = pytest.mark.distributed
 

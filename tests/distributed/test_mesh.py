@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.distributed import ParallelDims, ParallelMesh
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 from rapidformer.testing import lm_loss, lm_tokens, pad_collate, run_distributed
-from tests.engine.test_accumulation import TOLERANCE, _max_diff, _model, _Recording, _samples
+from tests.helpers.gradients import TOLERANCE, max_difference, tiny_lm, uneven_samples
+from tests.helpers.steppers import RecordingGradients
 
 
 def test_ranks_are_laid_out_pipeline_outermost_tensor_innermost() -> None:
@@ -48,13 +49,13 @@ def _step_of_eight(tp: int) -> dict[str, Any]:
     if tp > 1:
         config = config.replace(tensor_model_parallel_size=tp)
     engine = RapidformerEngine(config)
-    model = _model()
+    model = tiny_lm()
     model.tp_plan = {}  # an empty plan: the model stays replicated on the tp axis
     state = engine.compose(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
-    recording = _Recording(state)
+    recording = RecordingGradients(state)
     state.stepper = recording
     dims = engine.dims
-    mine = _samples()[dims.dp_rank :: dims.dp]  # tp peers read the same samples
+    mine = uneven_samples()[dims.dp_rank :: dims.dp]  # tp peers read the same samples
     batches = [pad_collate(mine[i : i + 2]) for i in range(0, len(mine), 2)]
     step = StepFunctions(train_step=lambda b: lm_loss(state.model, b)["loss"], weight=lm_tokens)
     result = engine.run_step(batches, step)
@@ -94,7 +95,7 @@ def _two_ranks(out: str) -> None:
 def test_a_tensor_parallel_axis_does_not_change_counts_or_gradients(tmp_path: Path) -> None:
     run_distributed(_four_ranks, 4, str(tmp_path))
     run_distributed(_two_ranks, 2, str(tmp_path))
-    tokens = sum(int(lm_tokens(pad_collate([s]))) for s in _samples())
+    tokens = sum(int(lm_tokens(pad_collate([s]))) for s in uneven_samples())
     pure = torch.load(tmp_path / "dp_0.pt")
     assert pure["weight"] == tokens
     for rank in range(4):
@@ -102,7 +103,7 @@ def test_a_tensor_parallel_axis_does_not_change_counts_or_gradients(tmp_path: Pa
         # A world-group sum would count each token twice (tp peers hold the same samples).
         assert run["weight"] == tokens, (rank, run["weight"], tokens)
         assert abs(run["loss"] - pure["loss"]) <= 1e-6
-        assert _max_diff(run["grads"], pure["grads"]) <= TOLERANCE
+        assert max_difference(run["grads"], pure["grads"]) <= TOLERANCE
     groups = [json.loads((tmp_path / f"groups_{r}.json").read_text()) for r in range(4)]
     # tp innermost: neighbours share a tp group; dp strides over them.
     assert [g["tp2"]["tp"] for g in groups] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rapidformer.testing import run_distributed
-from tests.distributed.parity import PARITY, train_gpt
+from tests.helpers.parity import PARITY, train_gpt
 
 MOE = {"num_experts": 4}
 EP2 = {**MOE, "expert_model_parallel_size": 2}

@@ -16,7 +16,7 @@ from rapidformer import parse_args
 from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.testing import run_distributed
 from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
-from tests.conftest import read_losses
+from tests.helpers.trainers import read_losses
 
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
 
 TOLERANCE = 1e-5  # fp32, the same global batches: max |loss difference| over the steps
 RUN = ["--train-iters", "8", "--global-batch-size", "8", "--eval-interval", "4"]

@@ -123,7 +123,7 @@ def test_a_device_too_small_gets_the_switches_that_make_it_fit() -> None:
     again = run_dry_run(parse_args([*flags, *" ".join(last.flags).split()]))
     assert again.worst.total == last.worst_total and again.fits
     text = report.text()
-    assert "does NOT fit" in text and "--zero-2-memory-optimization" in text
+    assert "does NOT fit" in text and "--sharding zero2" in text
 
 
 def test_no_parallelism_on_one_24gb_gpu_climbs_to_recomputation() -> None:

@@ -13,72 +13,25 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.distributed import process_group
-from rapidformer.state import StepFunctions, StepOutcome, TrainState
+from rapidformer.step_io import StepFunctions
 from rapidformer.testing import (
     MarkovLMDataset,
-    TinyTransformerLM,
     lm_loss,
     pad_collate,
     run_distributed,
 )
-from rapidformer.testing.tiny import IGNORE_INDEX
-from tests.conftest import read_losses, tiny_trainer
-
-TOLERANCE = 1e-6  # fp32, max abs difference of any gradient element
-
-
-def _model() -> TinyTransformerLM:
-    torch.manual_seed(0)
-    return TinyTransformerLM(vocab_size=64, hidden=32, layers=2, heads=4, max_positions=64)
-
-
-def _samples(count: int = 8) -> list[dict[str, torch.Tensor]]:
-    # Lengths 4..40: micro-batches of two pad to very different lengths and token counts.
-    dataset = MarkovLMDataset(count, vocab_size=64, min_length=4, max_length=40, seed=3)
-    return [dataset[i] for i in range(count)]
-
-
-def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return (batch["labels"] != IGNORE_INDEX).sum()
-
-
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[name] - b[name]).abs().max().item() for name in a)
-
-
-class _Recording:
-    """Wraps the run's stepper: copies every whole gradient (gathered where it is sharded)
-    just before the update, when the step's reductions are done."""
-
-    def __init__(self, state: TrainState) -> None:
-        self.inner = state.stepper
-        self.name = self.inner.name
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def step(self, state: TrainState) -> StepOutcome:
-        self.grads = {n: _full_grad(p) for n, p in state.unwrapped_model.named_parameters()}
-        # Where no DDP reduced them (a tp axis), the stepper averages over dp first: so here.
-        process_group.average_in_buckets(list(self.grads.values()), state.gradient_average_group)
-        return self.inner.step(state)
-
-    def expected_bytes(self, state: TrainState) -> Any:
-        return self.inner.expected_bytes(state)
-
-
-def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
-    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # DeepSpeed partitions
-        from deepspeed.utils import safe_get_full_grad
-
-        return safe_get_full_grad(param).detach().clone().float()
-    assert param.grad is not None
-    grad = param.grad
-    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+from tests.helpers.gradients import (
+    TOLERANCE,
+    max_difference,
+    tiny_lm,
+    tokens,
+    uneven_samples,
+)
+from tests.helpers.steppers import RecordingGradients
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 
 def _counted_grads(micro: int, samples: list[dict[str, torch.Tensor]], **options: Any) -> dict:
@@ -90,7 +43,7 @@ def _counted_grads(micro: int, samples: list[dict[str, torch.Tensor]], **options
         | options
     )
     engine = RapidformerEngine(config)
-    model = _model()
+    model = tiny_lm()
     state = engine.compose(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
     assert engine.accumulation_steps == len(samples) // micro
     forwards: list[int] = []
@@ -108,23 +61,23 @@ def _counted_grads(micro: int, samples: list[dict[str, torch.Tensor]], **options
         forwards.append(1)
         return lm_loss(state.model, batch)["loss"]
 
-    recording = _Recording(state)
+    recording = RecordingGradients(state)
     state.stepper = recording
     batches = [pad_collate(samples[i : i + micro]) for i in range(0, len(samples), micro)]
-    engine.run_step(batches, StepFunctions(train_step=loss_of, weight=_tokens))
+    engine.run_step(batches, StepFunctions(train_step=loss_of, weight=tokens))
     if dp == 1:
         engine.close()  # several runs share one process group in the distributed tests
     return {"grads": recording.grads, "all_reduced_after": all_reduced_after}
 
 
 def test_micro_2_times_4_equals_micro_8_with_uneven_padding() -> None:
-    samples = _samples()
+    samples = uneven_samples()
     big = _counted_grads(8, samples)["grads"]
     accumulated = _counted_grads(2, samples)["grads"]
-    assert _max_diff(big, accumulated) <= TOLERANCE
+    assert max_difference(big, accumulated) <= TOLERANCE
     # The naive mean of per-micro-batch means would be wrong here: make sure the test can tell.
     naive = _late_grads(2, samples, token_weighted=False)
-    assert _max_diff(big, naive) > 100 * TOLERANCE
+    assert max_difference(big, naive) > 100 * TOLERANCE
 
 
 NATIVE = {
@@ -145,7 +98,7 @@ DEEPSPEED = {
 def _rank_counted_grads(out_dir: str, configs: dict[str, dict[str, Any]]) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    mine = _samples(16)[rank::2]  # the two ranks together hold the same 16 samples
+    mine = uneven_samples(16)[rank::2]  # the two ranks together hold the same 16 samples
     for name, options in configs.items():
         runs = {micro: _counted_grads(micro, mine, **options) for micro in (2, 8)}
         torch.save(
@@ -160,13 +113,14 @@ def _rank_counted_grads(out_dir: str, configs: dict[str, dict[str, Any]]) -> Non
 
 def _check_two_ranks(tmp_path: Path, configs: dict[str, dict[str, Any]]) -> dict[str, float]:
     run_distributed(_rank_counted_grads, 2, str(tmp_path), configs)
-    reference = _counted_grads(16, _samples(16))["grads"]  # one process, one batch
+    reference = _counted_grads(16, uneven_samples(16))["grads"]  # one process, one batch
     worst = {}
     for name in configs:
         for rank in range(2):
             run = torch.load(tmp_path / f"{name}_{rank}.pt")
             worst[name] = max(
-                _max_diff(reference, run["accumulated"]), _max_diff(reference, run["whole"])
+                max_difference(reference, run["accumulated"]),
+                max_difference(reference, run["whole"]),
             )
             assert worst[name] <= TOLERANCE, (name, rank, worst[name])
             if name == "ddp":
@@ -196,7 +150,7 @@ def _late_grads(
         {"micro_batch_size": micro, "global_batch_size": len(samples) * dp}
     )
     engine = RapidformerEngine(config)
-    state = engine.compose(_model(), optimizer=torch.optim.SGD(_model().parameters(), lr=0.0))
+    state = engine.compose(tiny_lm(), optimizer=torch.optim.SGD(tiny_lm().parameters(), lr=0.0))
     for start in range(0, len(samples), micro):
         out = lm_loss(state.model, pad_collate(samples[start : start + micro]))
         engine.backward(out["loss"], weight=out["num_tokens"] if token_weighted else None)
@@ -206,15 +160,15 @@ def _late_grads(
 
 
 def test_hand_loop_weights_after_each_forward_equal_one_big_batch() -> None:
-    samples = _samples()
-    assert _max_diff(_late_grads(8, samples), _late_grads(2, samples)) <= TOLERANCE
+    samples = uneven_samples()
+    assert max_difference(_late_grads(8, samples), _late_grads(2, samples)) <= TOLERANCE
 
 
 def test_equal_weights_without_token_counts_match_for_equal_lengths() -> None:
     dataset = MarkovLMDataset(8, vocab_size=64, min_length=20, max_length=20, seed=4)
     samples = [dataset[i] for i in range(8)]
     assert (
-        _max_diff(
+        max_difference(
             _late_grads(8, samples, token_weighted=False),
             _late_grads(2, samples, token_weighted=False),
         )
@@ -226,16 +180,16 @@ def _rank_late_grads(out_dir: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     # Rank r takes every other sample: the two ranks together hold the same 8 samples.
-    grads = _late_grads(2, _samples()[rank::2], dp=2)
+    grads = _late_grads(2, uneven_samples()[rank::2], dp=2)
     torch.save(grads, Path(out_dir) / f"grads_{rank}.pt")
 
 
 @pytest.mark.distributed
 def test_two_rank_hand_loop_with_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
     run_distributed(_rank_late_grads, 2, str(tmp_path))
-    big = _late_grads(8, _samples())
+    big = _late_grads(8, uneven_samples())
     for rank in range(2):
-        assert _max_diff(big, torch.load(tmp_path / f"grads_{rank}.pt")) <= TOLERANCE
+        assert max_difference(big, torch.load(tmp_path / f"grads_{rank}.pt")) <= TOLERANCE
 
 
 def test_trainer_losses_with_accumulation_match_one_big_batch(tmp_path: Path) -> None:

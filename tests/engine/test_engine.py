@@ -10,10 +10,10 @@ from torch.utils.data import DataLoader
 
 from rapidformer import RapidformerEngine
 from rapidformer.schedules import build_lr_scheduler
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 from rapidformer.templates.trainer import seed_everything
 from rapidformer.testing import lm_loss, lm_tokens
-from tests.conftest import read_losses, tiny_trainer
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 FLAGS = (
     "--train-iters",

@@ -1,7 +1,7 @@
 """No host sync inside a step: on one rank the engine reads nothing to the host in 20 steps
 (fp32, bf16, fp16); the Trainer reads once per --log-interval window; several ranks read one
 already-finished host copy per step (the agreed stop flag, one step late). See
-tests/host_reads.py for what counts as a read."""
+tests/helpers/host_reads.py for what counts as a read."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from rapidformer import RapidformerConfig, RapidformerEngine
-from rapidformer.reliability.signals import StopSignals
 from rapidformer.schedules import build_lr_scheduler
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM, lm_loss, pad_collate
 from rapidformer.testing.launch import run_distributed
-from tests.conftest import tiny_trainer
-from tests.host_reads import counting_host_reads
+from tests.helpers.host_reads import counting_host_reads
+from tests.helpers.trainers import tiny_trainer
 
 STEPS = 20
 
@@ -97,7 +96,7 @@ def test_the_trainer_reads_once_per_log_window(tmp_path: Path) -> None:
         if step == 10:
             # The window's losses, skip flags, LR, last gradient norm and tokens in one copy;
             # the guard's skip flags of the window in another.
-            expected = {"logging.py:_read": 1, "reliability/guard.py:settle": 1}
+            expected = {"logging.py:_read": 1, "reliability/guard.py:judge_pending": 1}
             assert reads.of(step) == Counter(expected), reads.of(step)
         elif step != 20:  # step 20 also evaluates, saves and returns the final loss
             assert reads.of(step) == Counter(), (step, reads.of(step))
@@ -109,13 +108,13 @@ def _two_ranks(out: str, layout: str) -> None:
     engine, batches = _engine_run("fp32", **({layout: True} if layout else {}))
     assert any("on the device, no host sync" in str(p) for p in engine.state.plan)  # type: ignore[union-attr]
     rank = engine.env.rank
-    engine.guard.signals = StopSignals()  # as Trainer.fit does (without the handlers)
+    signals = engine.watch_signals()  # as Trainer.fit does (without entering: no handlers)
     functions = _functions(engine)
     stops = []
     with counting_host_reads() as reads:
         for step, group in enumerate(batches, start=1):
             if step == 5 and rank == 1:
-                engine.guard.signals.received = "SIGTERM"  # arrives on rank 1 only
+                signals.received = "SIGTERM"  # arrives on rank 1 only
             stops.append(engine.run_step(group, functions).stop_requested)
     record = {"reads": {s: dict(c) for s, c in reads.by_step.items()}, "stops": stops}
     (Path(out) / f"rank_{rank}.json").write_text(json.dumps(record))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 
 SHAPE = GPTConfig(
     vocab_size=128, num_layers=4, hidden_size=32, num_attention_heads=4,
@@ -145,7 +145,7 @@ def test_del_trainer_frees_its_model(no_cycle_collector: None) -> None:
     """A template used to hold its engine, whose state held the template's bound
     ``build_optimizer`` (and a Pretrainer its own bound ``compute_loss``): `del trainer` freed
     nothing until a collection (29 of 29 and 36 of 36 parameters alive)."""
-    from tests.conftest import tiny_trainer
+    from tests.helpers.trainers import tiny_trainer
 
     flags = ("--train-iters", "2", "--micro-batch-size", "8", "--precision", "bf16")
     alive, total = _freed_after_del(tiny_trainer(*flags, "--checkpoint-activations"))

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from rapidformer.state import StepFunctions
-from tests.conftest import read_losses, tiny_trainer
-from tests.gpu.helpers import batches, engine_for, lm_loss, max_difference, tiny_gpt, train
+from rapidformer.step_io import StepFunctions
+from tests.helpers.gpu import batches, engine_for, lm_loss, max_difference, tiny_gpt, train
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 RUN = ("--train-iters", "8", "--micro-batch-size", "4", "--global-batch-size", "8")
 CUDA_REPEAT = 1e-5

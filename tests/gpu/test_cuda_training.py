@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from rapidformer.accel.lamb import Lamb
-from rapidformer.state import StepFunctions
-from tests.gpu.helpers import batches, engine_for, lm_loss, max_difference, tiny_gpt, train
+from rapidformer.accel.optim.lamb import Lamb
+from rapidformer.step_io import StepFunctions
+from tests.helpers.gpu import batches, engine_for, lm_loss, max_difference, tiny_gpt, train
 
 LOW_PRECISION = 5e-2
 """Max |loss - fp32 loss| over 5 steps of the tiny GPT under bf16/fp16 autocast."""
@@ -26,21 +26,21 @@ def test_reduced_precision_tracks_fp32(precision: str) -> None:
     engine.close()
     losses, engine, state = train({"precision": precision})
     assert max_difference(losses, reference) <= LOW_PRECISION
-    assert (state.grad_scaler is not None) == (precision == "fp16")
+    assert (state.precision.grad_scaler is not None) == (precision == "fp16")
     assert any("on the device, no host sync" in str(p) for p in state.plan)
     engine.close()
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale() -> None:
     _, engine, state = train({"precision": "fp16"}, steps=2)
-    assert state.grad_scaler is not None
-    scale = state.grad_scaler.get_scale()
+    assert state.precision.grad_scaler is not None
+    scale = state.precision.grad_scaler.get_scale()
     before = [p.detach().clone() for p in state.model.parameters()]
     moments = [v.clone() for s in state.optimizer.state.values() for v in s.values()]  # type: ignore[union-attr]
     engine.backward(lm_loss(state.model, batches(1)[0]) * 1e30)  # overflows in backward
     result = engine.step()
     assert result is not None and result.skipped
-    assert state.grad_scaler.get_scale() == scale / 2
+    assert state.precision.grad_scaler.get_scale() == scale / 2
     assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
     after = [v for s in state.optimizer.state.values() for v in s.values()]  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(moments, after, strict=True))
@@ -125,7 +125,7 @@ def test_a_hugging_face_llama_compiles_one_block_graph() -> None:
 
 def test_moe_layer_on_grouped_mm_matches_the_reference() -> None:
     from rapidformer.models.moe import grouped_mm_supported
-    from tests.models.test_moe import BATCH, HIDDEN, LENGTH, make_layer, reference
+    from tests.helpers.moe import BATCH, HIDDEN, LENGTH, make_layer, reference
 
     cuda = torch.device("cuda")
     supported = [

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.models import BertConfig, BertModel, TransformerBlock
-from tests.conftest import MODEL_SHAPE
-from tests.models.test_gpt import TP_STYLE_KINDS
+from rapidformer.models.blocks import find_blocks
+from tests.helpers.models import MODEL_SHAPE, TP_STYLE_KINDS
 
 MASK_ID = 3
 

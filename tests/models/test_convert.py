@@ -23,7 +23,7 @@ from rapidformer.models import (
     hf_config_for,
     load_hugging_face,
 )
-from tests.conftest import MODEL_SHAPE
+from tests.helpers.models import MODEL_SHAPE
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidformer.accel.checkpointing import find_blocks
 from rapidformer.models import GPTConfig, GPTModel, SelfAttention, TransformerBlock
-from tests.conftest import MODEL_SHAPE
+from rapidformer.models.blocks import find_blocks
+from tests.helpers.models import MODEL_SHAPE, TP_STYLE_KINDS
 
 TINY = GPTConfig(**MODEL_SHAPE, dropout=0.0)
 
@@ -69,17 +69,6 @@ def test_blocks_are_found_and_have_an_ffn() -> None:
     for block in blocks:
         assert isinstance(block, TransformerBlock)
         assert isinstance(block.ffn.fc1, nn.Linear) and isinstance(block.ffn.fc2, nn.Linear)
-
-
-TP_STYLE_KINDS: dict[str, type[nn.Module]] = {
-    "vocab_parallel": nn.Embedding,
-    "position": nn.Embedding,
-    "colwise": nn.Linear,
-    "rowwise": nn.Linear,
-    "vocab_logits": nn.Linear,
-    "sequence_norm": nn.LayerNorm,
-    "sequence_input": nn.Module,  # the attention and FFN sub-layers
-}
 
 
 def test_tp_plan_patterns_match_modules_of_the_right_kind() -> None:

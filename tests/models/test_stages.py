@@ -18,7 +18,7 @@ from torch import nn
 from rapidformer.models import BertConfig, BertModel, GPTConfig, GPTModel
 from rapidformer.models.stages import StagedModel, materialize
 from rapidformer.testing import run_distributed
-from tests.conftest import MODEL_SHAPE
+from tests.helpers.models import MODEL_SHAPE
 
 SPLIT = 1e-6
 """Stages compute the same operations on the same values as the whole model, split at a block

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from rapidformer.cli import load_trainer_class
 from rapidformer.distributed import process_group
+from rapidformer.distributed.tensors import local_part
 
 _Deterministic = load_trainer_class(str(Path(__file__).with_name("deterministic_trainer.py")))
 
@@ -66,7 +66,7 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
         loss = super().train_step(batch)
         if not self.model.training:  # evaluation: no faults
             return loss
-        step, rank = self.engine.guard.steps + 1, process_group.rank()
+        step, rank = self.engine.steps_done + 1, process_group.rank()
         if self._started != step:  # the first micro-batch of a step
             self._started = step
             self._start_of_step(step, rank)
@@ -79,8 +79,7 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
         if digests:
             digest = hashlib.sha256()
             for param in self.engine.state.parameters:
-                local = param.to_local() if isinstance(param, DTensor) else param
-                digest.update(local.detach().cpu().numpy().tobytes())
+                digest.update(local_part(param).detach().cpu().numpy().tobytes())
             with open(Path(digests) / f"rank_{rank}.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, "digest": digest.hexdigest()}) + "\n")
         fired = _fault("FAULT_SIGNAL", step, rank)
@@ -92,8 +91,7 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
         if _fault("FAULT_STALL", step, rank) is not None:
             # Stuck until torchrun's agent, once a peer gave up, asks it to stop: it then
             # leaves at once instead of making the agent wait 30 s before SIGKILL.
-            signals = self.engine.guard.signals
-            while signals is None or signals.received is None:
+            while self.engine.stop_signal is None:
                 time.sleep(0.05)
             os._exit(1)
         if _fault("FAULT_RAISE", step, rank) is not None:

@@ -19,7 +19,7 @@ from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import TOKENIZER_TYPES, RapidTokenizer
 from rapidformer.errors import ConfigError
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import ModelInputs
+from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families import (
     FAMILIES,
     CorpusSplit,
@@ -29,7 +29,7 @@ from rapidformer.templates.families import (
 )
 from rapidformer.templates.pretrainer import Pretrainer, build_pretraining_model, model_family
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
-from tests.conftest import read_losses
+from tests.helpers.trainers import read_losses
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
 SHAPE += ["--seq-length", "16", "--lr", "1e-3"]

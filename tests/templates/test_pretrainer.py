@@ -17,7 +17,7 @@ from rapidformer.errors import ConfigError
 from rapidformer.export import export_checkpoint
 from rapidformer.templates.pretrainer import Pretrainer, build_pretraining_model
 from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
-from tests.conftest import read_losses
+from tests.helpers.trainers import read_losses
 
 MODEL = [
     "--num-layers",

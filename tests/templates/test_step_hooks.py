@@ -16,7 +16,7 @@ from rapidformer.cli import load_trainer_class
 from rapidformer.errors import ConfigError, HookError
 from rapidformer.testing import lm_loss
 from rapidformer.testing.tiny import IGNORE_INDEX
-from tests.conftest import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
 
 Deterministic = load_trainer_class(str(DETERMINISTIC_SCRIPT))
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from rapidformer.accel.optimizers import parameter_groups
+from rapidformer.accel.optim.optimizers import parameter_groups
 from rapidformer.testing import TinyTransformerLM
-from tests.conftest import read_losses, tiny_trainer
+from tests.helpers.trainers import read_losses, tiny_trainer
 
 
 def test_epochs_visit_every_sample_once_per_epoch_with_a_short_last_step(tmp_path: Path) -> None:

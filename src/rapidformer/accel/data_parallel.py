@@ -14,7 +14,7 @@ exist before the first backward and survive every step: a gradient that is None 
 starts is allocated afresh by autograd and only copied into its bucket when DDP's hook runs,
 and under accumulation (whose first micro-batches skip the hook) the whole fresh set lives
 beside the buckets. So every gradient starts as zeros that DDP moves into its bucket when it
-wraps the model, and the step zeroes them in place (``state.gradients_in_buckets``) instead of
+wraps the model, and the step zeroes them in place (``state.gradient_sync.in_buckets``) instead of
 setting them to None.
 
 DDP steps aside where something else reduces the gradients: FSDP2 (ZeRO-2/3), a
@@ -24,6 +24,8 @@ whose engine takes the model after the optimizer is built.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -32,16 +34,21 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.distributed.tensors import local_part
-from rapidformer.state import PlanStep, TrainState
+from rapidformer.state import GradientSync, PlanStep, TrainState
 
 
 def apply_data_parallel(
     state: TrainState, config: RapidformerConfig, mesh: ParallelMesh
 ) -> TrainState:
+    """DDP where it can reduce the gradients, else the averaging the stepper must do: the
+    train state's ``gradient_sync``, written here only."""
     dp = mesh.dims.dp
     sync = state.forward_backward.gradient_sync
     sharded = any(isinstance(part, FSDPModule) for part in state.model_parts)
-    if dp == 1 or sharded or sync == "self":
+    if dp == 1 or sync == "self":
+        return state
+    if sharded:  # FSDP2 reduce-scatters the dense gradients; experts may be left to us
+        state.gradient_sync = _expert_sync(state)
         return state
     if sync == "stepper" or mesh.dims.tp > 1 or mesh.dims.ep > 1:
         return _averaged_gradients(state, mesh)
@@ -55,7 +62,7 @@ def apply_data_parallel(
         process_group=mesh.group("dp"),
         gradient_as_bucket_view=True,
     )
-    state.gradients_in_buckets = True
+    state.gradient_sync = GradientSync(in_buckets=True)
     backend = "nccl" if state.device.type == "cuda" else "gloo"
     state.plan.append(
         PlanStep(
@@ -67,6 +74,22 @@ def apply_data_parallel(
     return state
 
 
+def _expert_sync(state: TrainState, average_group: Any = None) -> GradientSync:
+    """The expert-parallel part of the step's averaging: expert gradients (ids as the modules
+    hold them now) averaged over the ranks holding the same experts, unless FSDP2 shards the
+    experts and does it, then divided by the ep degree."""
+    experts = state.experts
+    if experts is None:
+        return GradientSync(average_group=average_group)
+    by_fsdp = any(isinstance(module, FSDPModule) for module in experts.modules)
+    return GradientSync(
+        average_group=average_group,
+        expert_ids=experts.parameter_ids(),
+        expert_group=None if by_fsdp else experts.group,
+        expert_divisor=experts.degree,
+    )
+
+
 def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
     """Data parallelism of tensor-parallel or pipelined models: DDP takes neither DTensor
     parameters nor a schedule that interleaves several micro-batches' forwards, so the stepper
@@ -75,13 +98,14 @@ def _averaged_gradients(state: TrainState, mesh: ParallelMesh) -> TrainState:
     The replicas start equal: every rank initialised its shard from the same seed, and the
     first data-parallel rank's values are broadcast anyway (a user's own init may differ)."""
     group = mesh.group("dp")
-    experts = state.expert_gradient_ids  # expert parallelism: replicas only over edp
+    sync = _expert_sync(state, average_group=group)
+    experts = sync.expert_ids  # expert parallelism: replicas only over edp
     with torch.no_grad():
         dense = [local_part(p) for p in state.parameters if id(p) not in experts]
         process_group.broadcast_in_place(dense, group)
         held = [local_part(p) for p in state.parameters if id(p) in experts]
-        process_group.broadcast_in_place(held, state.expert_average_group)
-    state.gradient_average_group = group
+        process_group.broadcast_in_place(held, sync.expert_group)
+    state.gradient_sync = sync
     state.plan.append(
         PlanStep(
             "data parallel",

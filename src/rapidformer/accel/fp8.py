@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import RunContext
+from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import Violation
 from rapidformer.state import PlanStep, TrainState
@@ -74,7 +74,7 @@ def convert_linears(
 
 
 def apply_fp8(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
-    if config.precision.resolved != "fp8":
+    if config.precision.precision != "fp8":
         return state
     recipe = config.precision.fp8_recipe
     converted: list[str] = []
@@ -101,7 +101,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
     """Where float8 training can run: a CUDA GPU with float8 matmuls and torchao; refused with
     tensor parallelism (torchao's float8 tensor-parallel styles are not wired here)."""
     precision = config.precision
-    if precision.resolved != "fp8":
+    if precision.precision != "fp8":
         if precision.fp8_recipe != "tensorwise":
             yield Violation("--fp8-recipe", precision.fp8_recipe, "needs --precision fp8", "add it")
         return
@@ -131,9 +131,20 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         )
     if context.dims.tp > 1:
         yield Violation(
-            "--tensor-model-parallel-size",
-            context.dims.tp,
-            "must be 1 with --precision fp8: torchao's float8 tensor-parallel styles are not "
-            "wired into rapidformer's tensor parallelism yet",
+            flag,
+            "fp8",
+            f"cannot run with --tensor-model-parallel-size {context.dims.tp}: torchao's float8 "
+            "tensor-parallel styles are not wired into rapidformer's tensor parallelism yet",
             "use --precision bf16 with tensor parallelism",
         )
+
+
+FEATURE = Feature(
+    "fp8",
+    flags=("--precision", "--fp8-recipe"),
+    rules=rules,
+    switched_on=lambda config: "fp8" if config.precision.precision == "fp8" else None,
+    refused_on={
+        "deepspeed": "DeepSpeed's engine casts the model itself and has no float8 path here"
+    },
+)

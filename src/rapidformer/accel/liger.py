@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import RunContext
+from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.state import PlanStep, TrainState
@@ -107,3 +107,6 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "Liger-Kernel's kernels are Triton kernels for CUDA; this machine has no CUDA device",
             "drop --liger-kernel",
         )
+
+
+FEATURE = Feature("Liger-Kernel", flags=("--liger-kernel",), rules=rules)

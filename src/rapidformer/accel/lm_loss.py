@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import RunContext
+from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.models import hf_fused_loss
@@ -76,10 +76,30 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         )
     if dims.tp > 1:
         yield Violation(
-            "--tensor-model-parallel-size",
-            dims.tp,
-            f"must be 1 with {flag}: the vocabulary-parallel head's loss runs through torch's "
-            "loss_parallel over sharded logits, which already never gathers them",
+            flag,
+            True,
+            f"cannot run with --tensor-model-parallel-size {dims.tp}: the vocabulary-parallel "
+            "head's loss runs through torch's loss_parallel over sharded logits, which already "
+            "never gathers them",
             f"drop {flag} (tensor parallelism bounds the logits per rank)",
         )
-    # Pipelines and DeepSpeed refuse it in their own rules (accel/pipeline.py, deepspeed.py).
+    if dims.pp > 1:
+        yield Violation(
+            flag,
+            True,
+            f"cannot run with --pipeline-model-parallel-size {dims.pp}: the last stage hands "
+            "logits to the schedule's loss",
+            f"drop {flag}, or use --pipeline-model-parallel-size 1",
+        )
+
+
+FEATURE = Feature(
+    "fused LM loss",
+    flags=("--fused-lm-loss",),
+    rules=rules,
+    switched_on=lambda config: True if config.memory.fused_lm_loss else None,
+    refused_on={
+        "deepspeed": "DeepSpeed ZeRO gathers a layer's weights only around that layer's own "
+        "forward, and the fused loss reads the head's weight from the model's"
+    },
+)

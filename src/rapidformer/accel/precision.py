@@ -22,7 +22,7 @@ from torch import nn
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.models.forward_wrap import current_forward
-from rapidformer.state import PlanStep, TrainState
+from rapidformer.state import MixedPrecision, PlanStep, TrainState
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -46,9 +46,8 @@ def apply_precision(state: TrainState, config: RapidformerConfig, mesh: Parallel
     device_type = state.device.type
     for module in state.forward_backward.forward_modules(state):
         _autocast_forward(module, device_type, dtype)
-    state.autocast_dtype = dtype
     if precision == "fp16":
-        state.grad_scaler = torch.amp.GradScaler(device_type)
+        state.precision = MixedPrecision(dtype, torch.amp.GradScaler(device_type))
         state.plan.append(
             PlanStep(
                 "mixed precision",
@@ -57,5 +56,6 @@ def apply_precision(state: TrainState, config: RapidformerConfig, mesh: Parallel
             )
         )
     else:
+        state.precision = MixedPrecision(dtype)
         state.plan.append(PlanStep("mixed precision", "torch.autocast", "bf16, no loss scaling"))
     return state

@@ -1,6 +1,19 @@
-"""Which activations are recomputed, and where: Megatron's recompute flags on torch's checkpoint.
+"""Activation recomputation: transformer blocks keep less in forward and recompute in backward.
 
-``--recompute-granularity``
+A block's forward normally keeps its intermediate activations (attention scores, the FFN's
+hidden layer) until backward needs them. Recomputing keeps only what the policy says and runs
+the rest of the forward again during backward: about one extra forward pass (~33% more
+compute) at full granularity, for activation memory that no longer grows with the work inside
+each block.
+
+We use non-reentrant ``torch.utils.checkpoint``: it composes with DDP and autocast, works when
+block inputs do not require grad, and keeps RNG state so dropout masks match on recompute.
+Hugging Face models get their own ``activation_checkpointing_enable`` (called
+``gradient_checkpointing_enable`` before transformers 5; same mechanism) when every layer
+recomputes whole. Otherwise each chosen block's ``forward`` is patched instead of wrapping the
+module, so state_dict keys do not change.
+
+``--recompute-granularity`` (``--checkpoint-activations`` is ``full``)
 
 * ``full``: a layer keeps only its input and runs its whole forward again in backward (what
   ``--checkpoint-activations`` does for every layer).
@@ -21,7 +34,7 @@
   keep everything (Megatron uses it to spend spare memory on speed).
 
 Without a method every layer recomputes on its own. The layers are the repeated blocks
-(:func:`rapidformer.accel.checkpointing.find_blocks`), Hugging Face decoder layers included.
+(:func:`rapidformer.models.blocks.find_blocks`), Hugging Face decoder layers included.
 """
 
 from __future__ import annotations
@@ -38,10 +51,14 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from rapidformer.config.aliases import spellings
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import RunContext
+from rapidformer.config.validate import Feature, RunContext
+from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
+from rapidformer.models.blocks import find_blocks
 from rapidformer.models.forward_wrap import current_forward
+from rapidformer.state import PlanStep, TrainState
 
 aten = torch.ops.aten
 
@@ -134,7 +151,7 @@ def apply_to_layers(layers: list[nn.Module], config: RapidformerConfig) -> str:
     """Recompute these layers (one model part's, in order) as the flags say; returns what was
     done, for the plan."""
     memory = config.memory
-    granularity = memory.recompute
+    granularity = memory.recompute_granularity
     assert granularity is not None
     method, count = memory.recompute_method, memory.recompute_num_layers
     if method is not None and count is not None and count > len(layers):
@@ -154,6 +171,57 @@ def apply_to_layers(layers: list[nn.Module], config: RapidformerConfig) -> str:
     return f"{len(chosen)} of {len(layers)} layers"
 
 
+def apply_recompute(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    """Recompute activations as the --recompute-* flags say."""
+    memory = config.memory
+    granularity = memory.recompute_granularity
+    if granularity is None:
+        return state
+    model = state.model
+    whole = granularity == "full" and memory.recompute_method is None
+    if whole and getattr(model, "supports_gradient_checkpointing", False):
+        # Every layer whole: the model's own switch (transformers >= 5 renamed the method;
+        # older releases only have the second name).
+        if hasattr(model, "activation_checkpointing_enable"):
+            method = "activation_checkpointing_enable"
+            model.activation_checkpointing_enable(  # type: ignore[operator]
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            method = "gradient_checkpointing_enable"
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        state.plan.append(
+            PlanStep("activation checkpointing", "transformers", f"{method}, non-reentrant")
+        )
+        return state
+    parts = [find_blocks(part) for part in state.model_parts]
+    if not any(parts):
+        raise ConfigError.single(
+            "--recompute-granularity",
+            granularity,
+            f"found no transformer blocks in {type(model).__name__} to recompute",
+            "keep the blocks in an nn.ModuleList or nn.ModuleDict (e.g. model.blocks), or drop "
+            f"{spellings('recompute_granularity', granularity)}",
+        )
+    done = [apply_to_layers(layers, config) for layers in parts if layers]
+    kind = next(type(layers[0]).__name__ for layers in parts if layers)
+    policy = (
+        "saves matmul and attention outputs, recomputes pointwise ops and norms"
+        if granularity == "selective"
+        else "each recomputed layer keeps only its input"
+    )
+    state.plan.append(
+        PlanStep(
+            "activation checkpointing",
+            "torch.utils.checkpoint",
+            f"{granularity} recompute, non-reentrant ({policy}): {'; '.join(done)} x {kind}",
+        )
+    )
+    return state
+
+
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
     """The recompute flags fit together (Megatron's combinations)."""
     memory = config.memory
@@ -162,15 +230,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         memory.recompute_method,
         memory.recompute_num_layers,
     )
-    if memory.checkpoint_activations and granularity == "selective":
-        yield Violation(
-            "--checkpoint-activations",
-            True,
-            "means full recomputation of every layer, which contradicts "
-            "--recompute-granularity selective",
-            "drop --checkpoint-activations",
-        )
-    if (method is not None or count is not None) and memory.recompute is None:
+    if (method is not None or count is not None) and granularity is None:
         flag, value = (
             ("--recompute-method", method) if method else ("--recompute-num-layers", count)
         )
@@ -183,7 +243,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         yield Violation(
             "--recompute-num-layers", count, "needs --recompute-method", "add uniform or block"
         )
-    if method == "uniform" and memory.recompute == "selective":
+    if method == "uniform" and granularity == "selective":
         yield Violation(
             "--recompute-method",
             "uniform",
@@ -191,3 +251,10 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "each layer alone would)",
             "use --recompute-granularity full, or --recompute-method block",
         )
+
+
+FEATURE = Feature(
+    "activation recomputation",
+    flags=("--recompute-granularity", "--recompute-method", "--recompute-num-layers"),
+    rules=rules,
+)

@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import RunContext
+from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.state import PlanStep, TrainState
@@ -184,3 +184,14 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             "--tensor-model-parallel-size > 1",
             "add --tensor-model-parallel-size 2 (or more), or drop --sequence-parallel",
         )
+
+
+FEATURE = Feature(
+    "tensor parallel",
+    flags=("--tensor-model-parallel-size", "--sequence-parallel"),
+    rules=rules,
+    switched_on=lambda config: (
+        size if (size := config.parallel.tensor_model_parallel_size) > 1 else None
+    ),
+    refused_on={"deepspeed": "DeepSpeed ZeRO is not combined with tensor parallelism here"},
+)

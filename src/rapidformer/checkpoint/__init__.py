@@ -143,8 +143,9 @@ def _write_files(staging: Path, step: int, state: TrainState, progress: dict[str
     if rank == 0:
         if state.lr_scheduler is not None:
             torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
-        if state.grad_scaler is not None:
-            torch.save(state.grad_scaler.state_dict(), staging / "grad_scaler.pt")
+        scaler = state.precision.grad_scaler
+        if scaler is not None:
+            torch.save(scaler.state_dict(), staging / "grad_scaler.pt")
         record = dict(
             progress,
             **writer.record(state),
@@ -243,8 +244,9 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
         reader.load(state, path, progress)
         if state.lr_scheduler is not None:
             _load_scheduler(state.lr_scheduler, load_file(path / "lr_scheduler.pt"))
-        if state.grad_scaler is not None:
-            state.grad_scaler.load_state_dict(load_file(path / "grad_scaler.pt"))
+        scaler = state.precision.grad_scaler
+        if scaler is not None:
+            scaler.load_state_dict(load_file(path / "grad_scaler.pt"))
     # DCP's CheckpointException derives from BaseException: named so it cannot escape.
     except (RuntimeError, KeyError, ValueError, OSError, CheckpointException) as exc:
         if isinstance(exc, CheckpointError):

@@ -15,7 +15,7 @@ A run's format is chosen by what it holds (:func:`native_format`):
 
 Either kind loads into any native run: a consolidated file into FSDP2 (each rank keeps its shard
 of each whole tensor), shards into one process. The DeepSpeed backend brings its own format
-(:mod:`rapidformer.accel.deepspeed_state`).
+(:mod:`rapidformer.accel.deepspeed.state`).
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ READERS: dict[str, Callable[[Path], dict[str, Any]] | str] = {
     "consolidated": lambda directory: dict(load_file(directory / "model.pt")),
     "dcp": _merged_model_shards,
     # Engines' own formats, imported only when a checkpoint of theirs is read.
-    "deepspeed": "rapidformer.accel.deepspeed_state:read_model_state",
+    "deepspeed": "rapidformer.accel.deepspeed.state:read_model_state",
 }
 """Format name -> the function reading a checkpoint's whole model in one process."""
 

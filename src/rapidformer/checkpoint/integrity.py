@@ -12,8 +12,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from rapidformer.errors import CheckpointError
-
 MANIFEST = "manifest.json"
 
 
@@ -55,10 +53,3 @@ def damage(directory: Path) -> str | None:
         if _digest(file) != entry["sha256"]:
             return f"{file} is corrupted: its SHA-256 differs from the manifest's"
     return None
-
-
-def verify(directory: Path) -> None:
-    """Raise a :class:`CheckpointError` naming the damaged file, if any."""
-    problem = damage(directory)
-    if problem is not None:
-        raise CheckpointError(f"the checkpoint {directory} is damaged: {problem}")

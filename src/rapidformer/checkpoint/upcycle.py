@@ -1,5 +1,5 @@
 """Reading a dense checkpoint into an MoE model (``--moe-use-upcycling`` with ``--load``);
-see :mod:`rapidformer.accel.upcycling`."""
+see :mod:`rapidformer.accel.moe.upcycling`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from rapidformer.accel.upcycling import upcycled_state_dict
+from rapidformer.accel.moe.upcycling import upcycled_state_dict
 from rapidformer.checkpoint.formats import read_model_state
 from rapidformer.errors import CheckpointError
 from rapidformer.state import TrainState

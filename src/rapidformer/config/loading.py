@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from rapidformer.config.aliases import ALIASES, resolve
 from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
 from rapidformer.config.schema import SECTIONS
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                 help=spec.help + default_note,
                 metavar=None if spec.choices else spec.kind.__name__.upper(),
             )
+    section_of = {spec.name: spec.section for spec in all_fields()}
+    for alias in ALIASES:  # in the section of the field each sets
+        groups[section_of[alias.target]].add_argument(
+            alias.flag,
+            action="store_true",
+            help=f"The same as {alias.meaning} ({alias.origin}'s spelling).",
+        )
     return parser
 
 
@@ -118,10 +126,13 @@ def parse_args_with_extras(
     namespace = vars(parser.parse_args(argv))
     extras = {dest: namespace.pop(dest, None) for dest in extra_dests}
     config_file = namespace.pop("config", None)
-    values: dict[str, object] = load_file(config_file) if config_file else {}
-    values = flatten(values)
-    values.update(namespace)
-    return config_from_dict(values), extras
+    # Aliases resolve per source, so that a flag on the command line overrides the file
+    # whichever spelling each used.
+    from_file, violations = resolve(flatten(load_file(config_file) if config_file else {}))
+    typed, typed_violations = resolve(namespace)
+    if violations or typed_violations:
+        raise ConfigError(violations + typed_violations)
+    return config_from_dict({**from_file, **typed}), extras
 
 
 def load_file(path: str | Path) -> dict[str, object]:

@@ -2,8 +2,8 @@
 
 :class:`RapidformerConfig` holds one frozen dataclass of :mod:`rapidformer.config.schema` per
 section. ``from_dict`` accepts nested (``{section: {field: value}}``) or flat dicts keyed by
-field or flag name, checks every name and type and reports every problem at once; ``to_dict``
-writes the nested form back (checkpoints store it).
+field or flag name (aliases included), checks every name and type and reports every problem
+at once; ``to_dict`` writes the nested form back (checkpoints store it), typed fields only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from rapidformer.config import aliases
 from rapidformer.config.fields import FieldSpec, all_fields, fields_by_name
 from rapidformer.config.schema import (
     SECTIONS,
@@ -62,11 +63,15 @@ class RapidformerConfig:
         return config_from_dict(values)
 
     def replace(self, **flat: object) -> RapidformerConfig:
-        """A copy with some fields changed, named flat: ``cfg.replace(micro_batch_size=4)``."""
+        """A copy with some fields changed, named flat: ``cfg.replace(micro_batch_size=4)``
+        (an alias too: ``cfg.replace(zero_2_memory_optimization=True)``)."""
         merged: dict[str, object] = {
             name: value for section in self.to_dict().values() for name, value in section.items()
         }
-        merged.update(flat)
+        changes, violations = aliases.resolve(flat)
+        if violations:
+            raise ConfigError(violations)
+        merged.update(changes)
         return config_from_dict(merged)
 
 
@@ -80,9 +85,9 @@ def config_to_dict(config: RapidformerConfig) -> dict[str, dict[str, object]]:
 
 def config_from_dict(values: dict[str, object]) -> RapidformerConfig:
     """Build a config from a nested or flat dict, checking names and types; reports every
-    unknown key and badly typed value at once."""
-    flat = flatten(values)
-    violations: list[Violation] = []
+    unknown key and badly typed value at once. Aliases (:mod:`rapidformer.config.aliases`)
+    set the field they stand for."""
+    flat, violations = aliases.resolve(flatten(values))
     per_section: dict[str, dict[str, object]] = {section: {} for section in SECTIONS}
     table = fields_by_name()
     for key, raw in flat.items():
@@ -155,6 +160,7 @@ def _type_fix(spec: FieldSpec) -> str:
 
 def _unknown_key(key: str) -> Violation:
     names = sorted({spec.name.replace("_", "-") for spec in all_fields()})
+    names += [alias.flag[2:] for alias in aliases.ALIASES]
     close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
     fix = f"did you mean --{close[0]}?" if close else "see docs/parameters.md for every flag"
     return Violation("--" + key.replace("_", "-"), key, "no such flag", fix)

@@ -35,6 +35,7 @@ OptimizerName = Literal["apex_adam", "apex_lamb"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 CompileScope = Literal["blocks", "model"]
 ZeroBackend = Literal["native", "deepspeed"]
+Sharding = Literal["none", "zero1", "zero2", "zero3"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
@@ -144,26 +145,20 @@ class TrainingConfig:
 class PrecisionConfig:
     """Numeric precision of the forward and backward passes."""
 
-    mixed_precision: bool = False
-    """FP16 mixed precision (autocast plus a dynamic loss scaler); same as --precision fp16."""
     precision: Precision = "fp32"
-    """Autocast precision: fp32 (off), fp16 (with a loss scaler), bf16, or fp8 (bf16 autocast
-    plus float8 matmuls in the linear layers through torchao; GPUs of compute capability 8.9
-    or newer, with the rapidformer[gpu] extra)."""
+    """Autocast precision: fp32 (off), fp16 (with a loss scaler; also spelled
+    --mixed-precision), bf16, or fp8 (bf16 autocast plus float8 matmuls in the linear layers
+    through torchao; GPUs of compute capability 8.9 or newer, with the rapidformer[gpu]
+    extra)."""
     fp8_recipe: Fp8Recipe = "tensorwise"
     """torchao's float8 scaling under --precision fp8: tensorwise (one scale per tensor, the
     fastest) or rowwise (one per row, more accurate)."""
 
     @property
-    def resolved(self) -> Precision:
-        """The precision actually used: --mixed-precision means fp16."""
-        return "fp16" if self.mixed_precision else self.precision
-
-    @property
     def autocast(self) -> Precision:
         """The autocast precision: fp8 runs the model under bf16 autocast (its float8 matmuls
         are the converted linear layers' own)."""
-        return "bf16" if self.resolved == "fp8" else self.resolved
+        return "bf16" if self.precision == "fp8" else self.precision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,32 +193,25 @@ class ParallelConfig:
 class MemoryConfig:
     """Memory optimisations: model-state sharding, offload and activation checkpointing."""
 
-    oss_memory_optimization: bool = False
-    """Optimizer State Sharding: each data-parallel rank keeps 1/N of the optimizer state."""
-    oss_sdp_memory_optimization: bool = False
-    """Sharded Data Parallel: optimizer state and gradients sharded."""
-    fsdp_memory_optimization: bool = False
-    """Fully Sharded Data Parallel: optimizer state, gradients and parameters sharded."""
-    zero_1_memory_optimization: bool = False
-    """ZeRO stage 1: optimizer state sharded."""
-    zero_2_memory_optimization: bool = False
-    """ZeRO stage 2: optimizer state and gradients sharded."""
-    zero_3_memory_optimization: bool = False
-    """ZeRO stage 3: optimizer state, gradients and parameters sharded."""
+    sharding: Sharding = "none"
+    """Model state sharded over the data-parallel ranks (ZeRO): zero1 shards the optimizer
+    state, zero2 the gradients too, zero3 the parameters too; through --zero-backend. Also
+    spelled as PAI-Rapidformer's flags: --zero-1-memory-optimization or
+    --oss-memory-optimization (zero1), --zero-2-memory-optimization or
+    --oss-sdp-memory-optimization (zero2), --zero-3-memory-optimization or
+    --fsdp-memory-optimization (zero3)."""
     zero_backend: ZeroBackend = "native"
-    """Engine behind the ZeRO/OSS/SDP/FSDP flags: native (PyTorch ZeroRedundancyOptimizer and
-    FSDP2) or deepspeed (the DeepSpeed engine runs ZeRO stage 1/2/3, backward and the optimizer
-    step; needs the rapidformer[deepspeed] extra)."""
+    """Engine behind --sharding: native (PyTorch ZeroRedundancyOptimizer and FSDP2) or
+    deepspeed (the DeepSpeed engine runs ZeRO stage 1/2/3, backward and the optimizer step;
+    needs the rapidformer[deepspeed] extra)."""
     cpu_offload: bool = False
-    """Keep sharded model state in CPU memory (needs a ZeRO or FSDP flag); with --zero-backend
+    """Keep sharded model state in CPU memory (needs --sharding); with --zero-backend
     deepspeed, ZeRO-Offload of the optimizer state (and of the parameters at stage 3)."""
-    checkpoint_activations: bool = False
-    """Recompute each transformer block's activations in the backward pass instead of
-    storing them (the same as --recompute-granularity full)."""
     recompute_granularity: RecomputeGranularity | None = None
     """Recompute activations in the backward pass (Megatron's flag): full (a layer's whole
     forward again, keeping only its input) or selective (an op-level policy: matrix
-    multiplications and attention keep their outputs, pointwise ops and norms are recomputed)."""
+    multiplications and attention keep their outputs, pointwise ops and norms are recomputed).
+    --checkpoint-activations (Megatron's and PAI-Rapidformer's flag) means full."""
     recompute_method: RecomputeMethod | None = None
     """Which layers recompute (needs --recompute-granularity and --recompute-num-layers):
     uniform (every layer, in chunks of --recompute-num-layers consecutive layers of which only
@@ -235,27 +223,6 @@ class MemoryConfig:
     """Compute the LM head and its cross-entropy in chunks of tokens inside the model's forward,
     recomputing each chunk's logits in backward, so that all logits never exist at once
     (built-in GPT and BERT pretraining; Liger-Kernel's kernel on CUDA where installed)."""
-
-    @property
-    def recompute(self) -> RecomputeGranularity | None:
-        """The recomputation in force: --recompute-granularity, or full under
-        --checkpoint-activations, or None."""
-        if self.recompute_granularity is not None:
-            return self.recompute_granularity
-        return "full" if self.checkpoint_activations else None
-
-    @property
-    def sharding_flags(self) -> tuple[str, ...]:
-        """The memory-optimisation flags that are set, spelled as on the command line."""
-        names = (
-            "oss_memory_optimization",
-            "oss_sdp_memory_optimization",
-            "fsdp_memory_optimization",
-            "zero_1_memory_optimization",
-            "zero_2_memory_optimization",
-            "zero_3_memory_optimization",
-        )
-        return tuple("--" + n.replace("_", "-") for n in names if getattr(self, n))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,8 +13,8 @@ number, inside the run's :class:`Degrees`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rapidformer.config.fields import all_fields
@@ -61,6 +61,34 @@ class RunContext:
 
 
 Rule = Callable[[RapidformerConfig, RunContext], Iterator[Violation]]
+
+
+def no_rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """A feature that refuses nothing."""
+    return iter(())
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An acceleration as validation sees it: the flags it owns and what it refuses.
+
+    ``rules`` name only the feature's own ``flags``: where it cannot run with another switch,
+    the violation names this feature's flag and the other switch in its text (``--fused-lm-loss:
+    cannot run with --pipeline-model-parallel-size 2``). Everything a feature cannot do is
+    then in its own module, and adding a switch never edits another switch's rules
+    (tests/test_layering.py checks both). ``refused_on`` says which ``--zero-backend`` engines
+    cannot run it and why; the backend's choice (:mod:`rapidformer.engine.order`) refuses it
+    there, so that no feature asks which backend runs.
+    """
+
+    name: str
+    flags: tuple[str, ...]
+    """The flags it owns (``--flag`` spelling); the first one switches it on."""
+    rules: Rule = no_rules
+    switched_on: Callable[[RapidformerConfig], object] = lambda config: None
+    """The value of its first flag where the config switches it on, else None."""
+    refused_on: Mapping[str, str] = field(default_factory=dict)
+    """``--zero-backend`` value -> why the feature cannot run on that engine."""
 
 
 def check(
@@ -227,17 +255,6 @@ def _model_shape(config: RapidformerConfig, context: RunContext) -> Iterator[Vio
         )
 
 
-def _precision(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    precision = config.precision
-    if precision.mixed_precision and precision.precision not in ("fp32", "fp16"):
-        yield Violation(
-            "--mixed-precision",
-            True,
-            f"means fp16 and contradicts --precision {precision.precision}",
-            "pass only --precision",
-        )
-
-
 def _not_available(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
     for spec in all_fields():
         if spec.name not in NOT_AVAILABLE:
@@ -300,7 +317,6 @@ GENERAL_RULES: tuple[Rule, ...] = (
     _learning_rate,
     _schedule,
     _model_shape,
-    _precision,
     _not_available,
     _planning,
     _trust,

@@ -78,13 +78,13 @@ def dry_run(
         model=model,
         world_size=world_size,
         layout=f"dp {dims.dp} x tp {dims.tp} x pp {dims.pp}" + (f", ep {dims.ep}" * (dims.ep > 1)),
-        precision=config.precision.resolved,
-        recompute=memory.recompute or "none",
+        precision=config.precision.precision,
+        recompute=memory.recompute_granularity or "none",
         micro_batches_per_step=dims.accumulation_steps(
             config.data.micro_batch_size, config.data.global_batch_size
         ),
         plan=ranks[0].plan,
-        not_simulated=[f"{step.__name__} ({why})" for step, why in NOT_SIMULATED.items()],
+        not_simulated=[f"{name} ({why})" for name, why in NOT_SIMULATED.items()],
         ranks=ranks,
         device_memory=device_memory,
         device_source=device_source,

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidformer.accel.sharding import shard_units, sharding_mode
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.distributed.tensors import local_part
@@ -43,8 +42,10 @@ from rapidformer.dryrun.simulate import (
     fake_world,
 )
 from rapidformer.memory import StateBytes
+from rapidformer.models.blocks import shard_units
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import ModelInputs, TrainState, call_model, loss_context
+from rapidformer.state import TrainState, loss_context
+from rapidformer.step_io import ModelInputs, call_model
 
 _LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
@@ -178,7 +179,7 @@ def rank_memory(
 def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload) -> StageProfile:
     """One micro-batch through each stage ``dims.rank`` holds (call inside its fake world)."""
     state = compose_on_meta(config, dims, work.build, ACTIVATION_STEPS)
-    dtype = _LOW.get(config.precision.resolved)
+    dtype = _LOW.get(config.precision.precision)
     parts = state.model_parts
     if dtype is not None and _computes_in_low_precision_weights(config, dims):
         # FSDP2's MixedPrecisionPolicy gathers the weights in 16 bits (DeepSpeed keeps them
@@ -206,9 +207,9 @@ def stage_profile(config: RapidformerConfig, dims: ParallelDims, work: Workload)
 
 
 def zero_stage(config: RapidformerConfig) -> int:
-    """The ZeRO stage the sharding flags ask for (OSS = 1, SDP = 2, FSDP = 3; 0 for none)."""
-    mode = sharding_mode(config)
-    return {"oss": 1, "sdp": 2, "fsdp": 3}[mode[0]] if mode is not None else 0
+    """The ZeRO stage --sharding asks for (0 for none)."""
+    sharding = config.memory.sharding
+    return 0 if sharding == "none" else int(sharding[-1])
 
 
 def _offloaded(config: RapidformerConfig, dims: ParallelDims, held: StateBytes) -> int:
@@ -225,8 +226,7 @@ def _offloaded(config: RapidformerConfig, dims: ParallelDims, held: StateBytes) 
 def _fsdp(config: RapidformerConfig, dims: ParallelDims) -> bool:
     """Whether FSDP2 shards the model (ZeRO-2/3 on more than one data-parallel rank; on one,
     the plan says nothing is sharded)."""
-    mode = sharding_mode(config)
-    return mode is not None and mode[0] in ("sdp", "fsdp") and dims.dp > 1
+    return zero_stage(config) >= 2 and dims.dp > 1
 
 
 def _computes_in_low_precision_weights(config: RapidformerConfig, dims: ParallelDims) -> bool:
@@ -294,13 +294,12 @@ def _buffers(
 ) -> tuple[int, str]:
     """Communication buffers beside the model state; see the module docstring."""
     dims = state.mesh.dims
-    mode = sharding_mode(config)
     if dims.dp == 1:
         return 0, "none (one data-parallel rank)"
-    if mode is not None and _fsdp(config, dims):
-        size = 2 if config.precision.resolved in _LOW else 4
+    if _fsdp(config, dims):
+        size = 2 if config.precision.precision in _LOW else 4
         largest = profile.largest_unit
-        if mode[0] == "sdp" or dims.pp > 1:
+        if zero_stage(config) == 2 or dims.pp > 1:
             # ZeRO-2 keeps the gathered parameters until the backward; under a pipeline
             # ZeRO-3 does too (sharding.py: no resharding between a stage's micro-batches).
             gathered = profile.elements * size

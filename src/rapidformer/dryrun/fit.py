@@ -57,16 +57,6 @@ class Rung:
     applies: Callable[[RapidformerConfig, int], bool]
 
 
-_SHARDING_OFF = {
-    "zero_1_memory_optimization": False,
-    "zero_2_memory_optimization": False,
-    "zero_3_memory_optimization": False,
-    "oss_memory_optimization": False,
-    "oss_sdp_memory_optimization": False,
-    "fsdp_memory_optimization": False,
-}
-
-
 def _dp(config: RapidformerConfig, world_size: int) -> int:
     parallel = config.parallel
     return world_size // (
@@ -75,24 +65,24 @@ def _dp(config: RapidformerConfig, world_size: int) -> int:
 
 
 def _sharding(stage: int) -> dict[str, object]:
-    return {**_SHARDING_OFF, f"zero_{stage}_memory_optimization": True}
+    return {"sharding": f"zero{stage}"}
 
 
 def _recompute_rank(config: RapidformerConfig) -> int:
     memory = config.memory
-    if memory.recompute is None:
+    if memory.recompute_granularity is None:
         return 0
-    whole = memory.recompute == "full" and memory.recompute_method != "block"
+    whole = memory.recompute_granularity == "full" and memory.recompute_method != "block"
     return 2 if whole else 1
 
 
 _SELECTIVE: dict[str, object] = {"recompute_granularity": "selective", "recompute_method": None,
-              "recompute_num_layers": None, "checkpoint_activations": False}  # fmt: skip
+              "recompute_num_layers": None}  # fmt: skip
 _FULL: dict[str, object] = {**_SELECTIVE, "recompute_granularity": "full"}
 
 LADDER: tuple[Rung, ...] = (
-    Rung("bf16", "precision", {"precision": "bf16", "mixed_precision": False},
-         lambda c, w: c.precision.resolved == "fp32"),
+    Rung("bf16", "precision", {"precision": "bf16"},
+         lambda c, w: c.precision.precision == "fp32"),
     Rung("ZeRO-1", "zero", _sharding(1), lambda c, w: _dp(c, w) > 1 and zero_stage(c) < 1),
     Rung("ZeRO-2", "zero", _sharding(2), lambda c, w: _dp(c, w) > 1 and zero_stage(c) < 2),
     Rung("selective recompute", "recompute", _SELECTIVE, lambda c, w: _recompute_rank(c) < 1),

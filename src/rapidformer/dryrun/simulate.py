@@ -26,42 +26,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 
-from rapidformer.accel.checkpointing import apply_activation_checkpointing
-from rapidformer.accel.compile import apply_compile
-from rapidformer.accel.data import apply_data
-from rapidformer.accel.data_parallel import apply_data_parallel
-from rapidformer.accel.eager import EagerForwardBackward
-from rapidformer.accel.fp8 import apply_fp8
-from rapidformer.accel.liger import apply_liger_kernel
-from rapidformer.accel.lm_loss import apply_fused_lm_loss
-from rapidformer.accel.materialize import apply_materialize
-from rapidformer.accel.onnxruntime import apply_onnxruntime
-from rapidformer.accel.pipeline import apply_pipeline
-from rapidformer.accel.stepper import TorchStepper
-from rapidformer.accel.tensor_parallel import apply_tensor_parallel
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.distributed.mesh import ParallelMesh
-from rapidformer.engine.order import NATIVE_ORDER, Apply
+from rapidformer.engine.order import NATIVE_ORDER, Step
 from rapidformer.state import TrainState
+from rapidformer.step.forward_backward import EagerForwardBackward
+from rapidformer.step.optimizer_step import TorchStepper
 
-NOT_SIMULATED: dict[Apply, str] = {
-    apply_materialize: "nothing is allocated",
-    apply_data_parallel: "DDP would broadcast real values; its buckets are the gradients",
-    apply_data: "no data is read",
-    apply_compile: "compile changes speed, not what a rank holds (not traced)",
-    apply_onnxruntime: "ONNX Runtime's graphs are not built",
-    apply_fp8: "float8 layers are estimated as bf16",
-    apply_liger_kernel: "Liger's kernels are not swapped in",
+NOT_SIMULATED: dict[str, str] = {
+    step.apply.__name__: step.not_simulated for step in NATIVE_ORDER if step.not_simulated
 }
-"""Steps of the native order a dry run skips, and why."""
+"""Steps of the native order a dry run skips, and why (declared in the order)."""
 
-ACTIVATION_STEPS: tuple[Apply, ...] = (
-    apply_pipeline,
-    apply_activation_checkpointing,
-    apply_fused_lm_loss,
-    apply_tensor_parallel,
-)
+ACTIVATION_STEPS: tuple[Step, ...] = tuple(s for s in NATIVE_ORDER if s.shapes_activations)
 """The steps that change what one micro-batch's forward and backward keep on a rank (the
 activation pass runs the model unsharded: FSDP's gathered parameters are counted apart). MoE
 layers are left dense: their routing depends on the values, which the meta device has not."""
@@ -148,9 +126,9 @@ def compose_on_meta(
     config: RapidformerConfig,
     dims: ParallelDims,
     build: ModelBuilder,
-    steps: tuple[Apply, ...] = NATIVE_ORDER,
+    steps: tuple[Step, ...] = NATIVE_ORDER,
 ) -> TrainState:
-    """Run ``steps`` (less :data:`NOT_SIMULATED`) for ``dims.rank`` on a meta-device model;
+    """Run ``steps`` (less those a dry run skips) for ``dims.rank`` on a meta-device model;
     call inside :func:`fake_world`."""
     mesh = ParallelMesh.build(dims, "cpu")
     config = simulated_config(config)
@@ -161,7 +139,7 @@ def compose_on_meta(
         forward_backward=EagerForwardBackward(),
         stepper=TorchStepper(config.training.clip_grad),
     )
-    for apply in steps:
-        if apply not in NOT_SIMULATED:
-            state = apply(state, config, mesh)
+    for step in steps:
+        if not step.not_simulated:
+            state = step.apply(state, config, mesh)
     return state

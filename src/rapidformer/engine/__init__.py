@@ -4,7 +4,8 @@ each optimizer step through the train state's slots."""
 from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.engine.loops import steps_of
 from rapidformer.engine.validation import validate
-from rapidformer.state import PlanStep, StepFunctions, TrainState
+from rapidformer.state import PlanStep, TrainState
+from rapidformer.step_io import StepFunctions
 
 __all__ = [
     "PlanStep",

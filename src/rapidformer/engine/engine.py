@@ -35,8 +35,6 @@ from torch.utils.data import DataLoader
 
 from rapidformer import safe_load
 from rapidformer.accel.compile import compiled_loss
-from rapidformer.accel.eager import EagerForwardBackward
-from rapidformer.accel.stepper import TorchStepper
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
@@ -53,7 +51,10 @@ from rapidformer.logging import setup_console_logging
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
 from rapidformer.seeding import seed_everything
-from rapidformer.state import StepFunctions, StepOutcome, TrainState
+from rapidformer.state import TrainState
+from rapidformer.step.forward_backward import EagerForwardBackward
+from rapidformer.step.optimizer_step import TorchStepper
+from rapidformer.step_io import StepFunctions, StepOutcome
 
 __all__ = ["RapidformerEngine", "StepResult"]
 
@@ -99,7 +100,7 @@ class RapidformerEngine:
             config.training.max_skipped_steps,
             self.mesh.group("world"),
             self.device,
-            settle_interval=config.logging.log_interval,
+            read_interval=config.logging.log_interval,
         )
         """Skips non-finite steps and shares stop requests (:mod:`rapidformer.reliability`);
         the host reads its flags every --log-interval steps."""
@@ -112,7 +113,9 @@ class RapidformerEngine:
         """FLOPs per token and the peak, once compose() has the model (MFU in the logs)."""
         self.peak = Peak(None, "not measured on this rank (rank 0 logs)")
         self._late: LateWeights | None = None
-        # --seed seeds every generator, a hand-written loop's dropout too (fit() seeds again).
+        # --seed is every generator's seed, a hand-written loop's dropout included: two engines
+        # of one seed draw the same masks whatever ran before them (the templates seed again
+        # at the start of fit(), to the same state).
         seed_everything(config.training.seed)
 
     @property
@@ -149,13 +152,14 @@ class RapidformerEngine:
             optimizer_fn=optimizer_fn,
             train_dataloader=train_dataloader,
             eval_dataloader=eval_dataloader,
-            step_guard=self.guard,
         )
-        for apply in backend(self.config).order:
-            state = apply(state, self.config, self.mesh)
-        state.optimizer_fn = None  # served; a template's bound method here would be a cycle
+        for step in backend(self.config).order:
+            state = step.apply(state, self.config, self.mesh)
+        # Served: the optimizer exists. Kept, a template's bound method would tie the template
+        # to its own engine in a cycle that outlives `del trainer` (its model with it).
+        state.optimizer_fn = None
         state.plan.extend(trust_steps(self.config))
-        state.settle()
+        state.freeze_parameters()
         # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.
         if self.is_main_process:
             self.peak = measure_peak(self.device, self.config)
@@ -171,9 +175,7 @@ class RapidformerEngine:
         self.log_plan()
         return state
 
-    def compiled_loss(
-        self, loss: Callable[[Any, Any], torch.Tensor]
-    ) -> Callable[[Any, Any], torch.Tensor]:
+    def compiled_loss(self, loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """A template's ``compute_loss`` as this run compiles it: compiled with the model under
         ``--torch-compile-scope model``, else unchanged."""
         return compiled_loss(self.config, loss)
@@ -242,17 +244,52 @@ class RapidformerEngine:
         return step_result(outcome, loss_sum, weight)
 
     def _apply(self, state: TrainState) -> StepOutcome:
-        """The stepper's update (or agreed skip) and the bookkeeping after it."""
-        outcome = state.stepper.step(state)
+        """The stepper's update, or the skip every rank agreed on, and the bookkeeping after.
+
+        The guard sits between the stepper's two halves: the gradients are made ready (and
+        their norm known), every rank reports, and the update reads the agreed decision, on
+        the device where the stepper can take it there, else read to the host now."""
+        stepper = state.stepper
+        gradients = stepper.finish_gradients(state)
+        decision = self.guard.decide(gradients.norm, gradients.overflow)
+        if not stepper.skips_on_device:
+            decision = self.guard.read_now(decision)
+        outcome = stepper.update(state, gradients, decision)
+        if decision.report is not None:
+            self.guard.judge_read(decision, skipped=bool(outcome.skipped))
         skipped = outcome.skipped
         applied = 1.0 - skipped if isinstance(skipped, torch.Tensor) else not skipped
         state.moe.after_step(applied=applied)
         if self._late is not None:
             self._late.arm()  # a new step begins: DDP syncs only at its last micro-batch
-        self.guard.count()  # every --log-interval steps: log the skipped ones, check the limit
+        self.guard.step_done()  # every --log-interval steps: log the skipped ones
         for monitor in state.monitors:
             monitor.after_step(self.guard.steps, self.is_main_process)
         return outcome
+
+    # ---- what a loop asks of the guard ----------------------------------------------------
+    def resume_at(self, step: int) -> None:
+        """A run resumed at ``step``: steps are numbered on from there (logs, skip counts)."""
+        self.guard.steps = step
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps run so far (a resumed run counts on from the step it resumed at)."""
+        return self.guard.steps
+
+    def judge_skipped_steps(self) -> None:
+        """Read the flags of the steps not yet judged, log the skipped ones, and stop
+        (:class:`~rapidformer.errors.NonFiniteError`) after --max-skipped-steps in a row.
+        Every rank calls it at the same step: before a checkpoint (so that none is written
+        after a run of skips) and at the end of a run."""
+        self.guard.judge_pending()
+
+    @property
+    def stop_signal(self) -> str | None:
+        """The stop signal this rank received, if any (another rank's arrives through
+        ``StepResult.stop_requested``)."""
+        signals = self.guard.signals
+        return signals.received if signals is not None else None
 
     def watch_signals(self) -> StopSignals:
         """A context in which SIGTERM, SIGINT and SIGUSR1 become a stop request that every

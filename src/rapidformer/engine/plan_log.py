@@ -35,7 +35,7 @@ def model_mfu_meter(
     memory = config.memory
     # The hardware runs every layer's forward twice under full recomputation of all layers;
     # selective (pointwise ops only) and block (some layers) are not counted.
-    checkpointing = memory.recompute == "full" and memory.recompute_method != "block"
+    checkpointing = memory.recompute_granularity == "full" and memory.recompute_method != "block"
     return mfu_meter(model, seq, checkpointing, peak.tflops, world_size)
 
 
@@ -83,7 +83,7 @@ def log_plan(
     )
     held, ddp = state.stepper.expected_bytes(state)
     log.info("model state on rank 0: %s", describe(held, ddp))
-    precision = config.precision.resolved
+    precision = config.precision.precision
     support, hint = precision_support(device, precision)
     peak_text = f"{peak.tflops:.3g} TFLOP/s per device" if peak.tflops else "unknown"
     per_token = meter.per_token

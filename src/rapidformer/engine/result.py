@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidformer.state import StepOutcome
+from rapidformer.step_io import StepOutcome
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 Before the optimizer applies a step, each rank reports whether its own loss was finite, whether
 the step's gradients were (after the reductions every layout runs, the gradient norm covers
 every shard of every parameter), whether fp16's loss scaler found an overflow, and whether it
-received a stop signal. One all-reduce over the whole job sums the reports into a small flag
-vector, so every rank takes the same decision:
+received a stop signal. One all-reduce over the whole job sums the reports (:class:`Flags`),
+so every rank takes the same decision:
 
 * **skip** when any loss or gradient anywhere is inf or NaN. The decision stays a 0-dim device
   tensor (:attr:`Decision.skip`): the optimizer reads it as its ``found_inf`` and the schedule
-  as "not applied" (:mod:`rapidformer.accel.skipping`), so no parameter, optimizer state,
+  as "not applied" (:mod:`rapidformer.step.optimizer_step`), so no parameter, optimizer state,
   learning-rate step or expert bias moves, the batch is consumed (as Megatron does), and the
   host never waits for the device inside a step.
 * **stop** when any rank received a stop signal (:mod:`.signals`). One rank knows at once. On
@@ -17,12 +17,16 @@ vector, so every rank takes the same decision:
   takes effect one step later than it arrived, at a step boundary, on every rank alike.
 
 The host learns which steps were skipped when it reads the flags anyway: every
-``--log-interval`` steps (:meth:`StepGuard.count`), before a checkpoint and at the end of the
-run (:meth:`StepGuard.settle`), or at once where the step cannot be decided on the device
-(:meth:`StepGuard.read_skip`: an optimizer without a ``found_inf`` input). Then each skipped
-step is logged with the ranks whose loss was non-finite, and after ``--max-skipped-steps``
-consecutive skips the run stops with :class:`~rapidformer.errors.NonFiniteError`: none of
-those steps moved anything, so the parameters and the checkpoints are intact.
+``--log-interval`` steps (:meth:`StepGuard.step_done`), before a checkpoint and at the end of
+the run (:meth:`StepGuard.judge_pending`), or at once where the stepper cannot take the
+decision on the device (:meth:`StepGuard.read_now`: an optimizer without a ``found_inf`` input,
+DeepSpeed). Then each skipped step is logged with the ranks whose loss was non-finite, and after
+``--max-skipped-steps`` consecutive skips the run stops with
+:class:`~rapidformer.errors.NonFiniteError`: none of those steps moved anything, so the
+parameters and the checkpoints are intact.
+
+Only the engine drives the guard (:mod:`rapidformer.engine.engine`): a stepper is handed the
+decision, a template asks the engine.
 """
 
 from __future__ import annotations
@@ -38,33 +42,91 @@ from rapidformer.reliability.signals import StopSignals
 
 
 @dataclass(frozen=True)
+class Flags:
+    """The layout of the agreed flag vector of a job of ``world`` ranks: one non-finite-loss
+    count per rank, then the non-finite-gradient count, the fp16-overflow count and the stop
+    count. After the all-reduce every entry is a sum over the ranks."""
+
+    world: int
+
+    @property
+    def gradients(self) -> int:
+        return self.world
+
+    @property
+    def overflow(self) -> int:
+        return self.world + 1
+
+    @property
+    def stop(self) -> int:
+        return self.world + 2
+
+    def pack(
+        self,
+        rank: int,
+        loss: torch.Tensor,
+        gradients: torch.Tensor,
+        overflow: torch.Tensor,
+        stop: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's report: each argument a 0-dim 0.0/1.0 tensor on the flags' device."""
+        losses = torch.zeros(self.world, device=loss.device)
+        losses[rank] = 1.0  # a host scalar fill: no read
+        return torch.cat([losses * loss, torch.stack([gradients, overflow, stop])])
+
+    def skip(self, flags: torch.Tensor) -> torch.Tensor:
+        """1.0 where any rank's loss, any gradient or fp16's scaler found a non-finite value."""
+        return (flags[: self.stop].sum() > 0).float()
+
+    def read(self, values: list[float]) -> StepReport:
+        """The host values of one step's agreed flags, by name."""
+        return StepReport(
+            nonfinite_loss_ranks=tuple(r for r in range(self.world) if values[r] > 0),
+            nonfinite_gradients=values[self.gradients] > 0,
+            overflow=values[self.overflow] > 0,
+            stop=values[self.stop] > 0,
+        )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step's agreed flags, read on the host."""
+
+    nonfinite_loss_ranks: tuple[int, ...]
+    nonfinite_gradients: bool
+    overflow: bool
+    stop: bool
+
+    @property
+    def reason(self) -> str:
+        """Why the step was skipped, for the log; "" if it was not."""
+        if self.nonfinite_loss_ranks:
+            return "non-finite loss on rank " + ", ".join(map(str, self.nonfinite_loss_ranks))
+        if self.overflow:
+            return "fp16 gradients overflowed, loss scale halved"
+        return "non-finite gradients" if self.nonfinite_gradients else ""
+
+
+@dataclass(frozen=True)
 class Decision:
-    """What every rank agreed for one step; the skip stays on the device."""
+    """What every rank agreed for one step."""
 
     skip: torch.Tensor
     """0-dim float32 on the guard's device: exactly 1.0 to skip the step, else 0.0 (the value
     torch's fused optimizers take as ``found_inf``)."""
     flags: torch.Tensor
-    """The agreed reports: one non-finite-loss count per rank, then non-finite gradients,
-    fp16 overflow and stop (see :func:`reason`)."""
+    """The agreed flag vector (:class:`Flags`)."""
     stop: bool = False
     """Every rank agreed to stop after this step (a signal that arrived by the last step on
     several ranks, by this one on one rank)."""
+    report: StepReport | None = None
+    """The flags read on the host, where :meth:`StepGuard.read_now` read them; else None (the
+    step is decided on the device and judged at the next read)."""
 
     @property
     def applied(self) -> torch.Tensor:
         """1.0 where the step is applied, 0.0 where it is skipped (on the device)."""
         return 1.0 - self.skip
-
-
-def reason(values: list[float], world: int) -> str:
-    """Why a step with these (host) flag values was skipped, for the log; "" if it was not."""
-    ranks = [r for r in range(world) if values[r] > 0]
-    if ranks:
-        return "non-finite loss on rank " + ", ".join(str(r) for r in ranks)
-    if values[world + 1] > 0:
-        return "fp16 gradients overflowed, loss scale halved"
-    return "non-finite gradients" if values[world] > 0 else ""
 
 
 class StepGuard:
@@ -75,18 +137,18 @@ class StepGuard:
         max_skipped_steps: int,
         group: process_group.Group,
         device: torch.device,
-        settle_interval: int = 1,
+        read_interval: int = 1,
     ) -> None:
         self.max_skipped_steps = max_skipped_steps
         self.group = group
         self.device = device  # the flags live where the backend reduces (nccl: the GPU)
-        self.settle_interval = max(1, settle_interval)
+        self.read_interval = max(1, read_interval)
         self.signals: StopSignals | None = None
         """Set while a loop watches the stop signals (``Trainer.fit`` does)."""
         self.steps = 0
         """Optimizer steps seen (a resumed run sets the step it resumed at)."""
         self.consecutive_skips = 0
-        """Skipped steps in a row, as of the last :meth:`settle`."""
+        """Skipped steps in a row, as of the last judged step."""
         self._loss: torch.Tensor | None = None
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._late = _LateCopy()
@@ -96,61 +158,56 @@ class StepGuard:
         self._loss = loss.detach()
 
     def decide(
-        self, grad_norm: torch.Tensor | None, found_inf: torch.Tensor | None = None
+        self, grad_norm: torch.Tensor | None, overflow: torch.Tensor | None = None
     ) -> Decision:
         """Every rank's reports summed (a collective: every rank calls it once per step);
-        ``found_inf``: fp16's overflow flag, already agreed over the ranks."""
+        ``overflow``: fp16's found-inf flag, already agreed over the ranks."""
         rank, world = process_group.rank(), process_group.world_size()
+        layout = Flags(world)
         local_stop = self.signals is not None and self.signals.received is not None
-        mine = torch.zeros(world, device=self.device)
-        mine[rank] = 1.0  # a host scalar fill: no read
-        overflow = torch.zeros((), device=self.device) if found_inf is None else found_inf
-        flags = torch.cat(
-            [
-                mine * self._nonfinite(self._loss),
-                torch.stack(
-                    [
-                        self._nonfinite(grad_norm),
-                        (overflow.to(self.device) > 0).float(),
-                        torch.full((), float(local_stop), device=self.device),
-                    ]
-                ),
-            ]
+        zero = torch.zeros((), device=self.device)
+        flags = layout.pack(
+            rank,
+            loss=self._nonfinite(self._loss),
+            gradients=self._nonfinite(grad_norm),
+            overflow=zero if overflow is None else (overflow.to(self.device) > 0).float(),
+            stop=torch.full((), float(local_stop), device=self.device),
         )
         self._loss = None
         if world > 1:
             process_group.all_reduce_sum(flags, self.group)
-            stop = self._late.read_stop()  # the previous step's flags, finished long ago
+            stop = self._late.read_stop(layout)  # the previous step's, finished long ago
             self._late.keep(flags)
         else:
             stop = local_stop  # nothing to agree with: the host knows
-        skip = (flags[: world + 2].sum() > 0).float()
         self._pending.append((self.steps + 1, flags))
-        return Decision(skip=skip, flags=flags, stop=stop)
+        return Decision(skip=layout.skip(flags), flags=flags, stop=stop)
 
-    def read_skip(self, decision: Decision) -> bool:
-        """The decision read to the host now (waits for the device): for steppers that cannot
-        take it as a device tensor. Judges every pending step, this one last."""
-        values = self.take(decision)
-        why = reason(values, len(values) - 3)
-        self.judge(self.steps + 1, why)
-        return bool(why)
-
-    def take(self, decision: Decision) -> list[float]:
-        """This step's flags read to the host now, for a stepper that judges the step itself
-        (:meth:`judge`); the steps pending before it are settled first."""
+    def read_now(self, decision: Decision) -> Decision:
+        """``decision`` with its flags read to the host now (waits for the device), for a
+        stepper that cannot take the skip as a device tensor; the steps pending before it are
+        judged first. Judge this one with :meth:`judge_read` once it is applied or not."""
         assert self._pending and self._pending[-1][1] is decision.flags, "decide() first"
         self._pending.pop()
-        self.settle()
-        return [float(v) for v in decision.flags.tolist()]
+        self.judge_pending()
+        values = [float(v) for v in decision.flags.tolist()]
+        report = Flags(process_group.world_size()).read(values)
+        return Decision(decision.skip, decision.flags, decision.stop, report)
 
-    def count(self) -> None:
-        """A step finished; every ``settle_interval`` steps, read and judge the pending ones."""
+    def judge_read(self, decision: Decision, skipped: bool) -> None:
+        """Account for a step read by :meth:`read_now`; ``skipped`` is what the stepper did
+        (DeepSpeed's fp16 engine also skips the overflows only it sees)."""
+        assert decision.report is not None, "read_now() first"
+        why = decision.report.reason or ("fp16 gradients overflowed" if skipped else "")
+        self._judge(self.steps + 1, why)
+
+    def step_done(self) -> None:
+        """A step finished; every ``read_interval`` steps, read and judge the pending ones."""
         self.steps += 1
-        if self.steps % self.settle_interval == 0:
-            self.settle()
+        if self.steps % self.read_interval == 0:
+            self.judge_pending()
 
-    def settle(self) -> None:
+    def judge_pending(self) -> None:
         """Read the pending steps' flags in one copy and judge them in order. Every rank calls
         it at the same steps."""
         if not self._pending:
@@ -158,11 +215,11 @@ class StepGuard:
         steps = [step for step, _ in self._pending]
         table = torch.stack([flags for _, flags in self._pending]).tolist()
         self._pending.clear()
-        world = process_group.world_size()
+        layout = Flags(process_group.world_size())
         for step, values in zip(steps, table, strict=True):
-            self.judge(step, reason(values, world))
+            self._judge(step, layout.read(values).reason)
 
-    def judge(self, step: int, why: str) -> None:
+    def _judge(self, step: int, why: str) -> None:
         """Account for one step, skipped where ``why`` says why: log it, and raise once
         ``--max-skipped-steps`` came in a row (nothing of them was applied: the parameters and
         checkpoints are intact)."""
@@ -205,7 +262,7 @@ class _LateCopy:
         self.ready = torch.cuda.Event()
         self.ready.record()
 
-    def read_stop(self) -> bool:
+    def read_stop(self, layout: Flags) -> bool:
         """The stop flag of the flags kept one step ago (False before the first)."""
         if self.host is None:
             return False
@@ -213,4 +270,4 @@ class _LateCopy:
             # Recorded a whole step ago, behind which this step's forward and backward are
             # queued: the copy finished long before, so this returns without waiting.
             self.ready.synchronize()
-        return bool(self.host[-1].item() > 0)
+        return bool(self.host[layout.stop].item() > 0)

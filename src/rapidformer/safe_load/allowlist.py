@@ -62,8 +62,9 @@ DEEPSPEED_GLOBALS = frozenset(
 )
 """What DeepSpeed's own files hold besides tensors: found by scanning the checkpoints
 DeepSpeed writes for ZeRO-1/2/3, fp32 and bf16, with and without offload
-(``tests/test_checkpoint_safety.py`` scans them again). An fp16 DeepSpeed checkpoint (GPUs only)
-holds its dynamic loss scaler instead, not seen here: it is refused until scanned."""
+(``tests/safe_load/test_loading_safely.py`` scans them again). An fp16 DeepSpeed checkpoint
+(GPUs only) holds its dynamic loss scaler instead, not seen here: it is refused until
+scanned."""
 
 ALLOWED_GLOBALS = TORCH_GLOBALS | DCP_GLOBALS | NUMPY_GLOBALS | DEEPSPEED_GLOBALS
 """Every global a scanned pickle may name."""

@@ -50,7 +50,7 @@ from rapidformer.models.hf import (
     save_model,
 )
 from rapidformer.models.hf_fused_loss import FAMILIES as FUSED_FAMILIES
-from rapidformer.state import ModelInputs, call_model
+from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for

@@ -38,7 +38,7 @@ from rapidformer.data.token_check import check_token_ids
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.errors import Violation
 from rapidformer.logging import log
-from rapidformer.state import ModelInputs, call_model
+from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.families import CorpusSplit, family_for, family_violations
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 

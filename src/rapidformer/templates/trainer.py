@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader
 from rapidformer.checkpoint import save_checkpoint
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.distributed import process_group
 from rapidformer.engine.engine import RapidformerEngine, StepResult
 from rapidformer.errors import HookError, Preempted, Violation
 from rapidformer.logging import MetricsLogger, log
@@ -37,23 +36,17 @@ from rapidformer.reliability.peers import naming_lost_peers
 from rapidformer.reliability.spikes import SpikeDetector
 from rapidformer.schedules import build_lr_scheduler
 from rapidformer.seeding import seed_everything
-from rapidformer.state import (
-    ModelInputs,
-    StepFunctions,
-    TrainState,
-    call_model,
-    evaluation_context,
-    local_loss,
-)
+from rapidformer.state import TrainState
+from rapidformer.step_io import ModelInputs, StepFunctions, call_model
 from rapidformer.templates.batches import (
     DataBundle,
     StepOutput,
     batch_size,
     batch_tokens,
-    filler_batch,
     loss_of,
     move_to_device,
 )
+from rapidformer.templates.evaluation import evaluation_pass
 from rapidformer.templates.progress import Progress, step_batches
 from rapidformer.templates.resuming import resume
 
@@ -79,6 +72,8 @@ class Trainer(ABC):
         self.device = self.engine.device
         self.model: nn.Module | None = None
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
+        self._compiled_loss: Callable[..., torch.Tensor] | None = None
+        self._first_output_checked = False
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
@@ -112,7 +107,7 @@ class Trainer(ABC):
         ``compute_loss(self.model(*model_inputs(batch)), batch)``. Return the loss, or a dict
         with ``loss``."""
         assert self.model is not None
-        return self.compute_loss(call_model(self.model, self.model_inputs(batch)), batch)
+        return self._loss(call_model(self.model, self.model_inputs(batch)), batch)
 
     def model_inputs(self, batch: Any) -> ModelInputs:
         """What the model's forward takes for ``batch``: a tuple of positional arguments or a
@@ -186,13 +181,13 @@ class Trainer(ABC):
         )
         self.model = state.model
         if _has_split_step(type(self)):  # the template owns the loss: it may join the graph
-            compiled = engine.compiled_loss(self.compute_loss)
-            # Stored only when compiled: the method itself, set on its own instance, would
-            # keep the template (and its model) alive in a cycle after `del trainer`.
-            if compiled != self.compute_loss:
-                self.compute_loss = compiled  # type: ignore[method-assign,assignment]
+            # The class's function, not the bound method: held by the instance, a bound
+            # method would keep the template (and its model) alive in a cycle.
+            loss = type(self).compute_loss
+            compiled = engine.compiled_loss(loss)
+            self._compiled_loss = None if compiled is loss else compiled
         progress = self._resume(state)
-        engine.guard.steps = progress.step
+        engine.resume_at(progress.step)
         logger = MetricsLogger(
             enabled=engine.is_main_process,
             log_interval=cfg.logging.log_interval,
@@ -250,19 +245,18 @@ class Trainer(ABC):
             ):
                 # A run that has skipped --max-skipped-steps in a row stops here, before it
                 # writes a checkpoint (it would hold nothing new).
-                engine.guard.settle()
+                engine.judge_skipped_steps()
                 record = {**asdict(progress), "config": cfg.to_dict()}
                 path = save_checkpoint(
                     cfg.checkpoint.save, progress.step, state, record, keep=cfg.checkpoint.save_keep
                 )
             if stopping:
-                signal = engine.guard.signals.received if engine.guard.signals else None
                 raise Preempted(
                     f"stopped at step {progress.step} of {total_steps} by a stop signal "
-                    f"({signal or 'on another rank'}); checkpoint written to {path}. Rerun the "
-                    "same command to resume from it"
+                    f"({engine.stop_signal or 'on another rank'}); checkpoint written to {path}. "
+                    "Rerun the same command to resume from it"
                 )
-        engine.guard.settle()  # the steps since the last --log-interval
+        engine.judge_skipped_steps()  # the steps since the last --log-interval
         if result is None:
             return metrics
         return {"train_loss": result.loss, **evaluation}
@@ -275,11 +269,25 @@ class Trainer(ABC):
             train_step=self._train_loss,
             weight=self.batch_weight,
             model_inputs=self.model_inputs if split else None,
-            loss=self.compute_loss if split else None,
+            loss=self._loss if split else None,
         )
+
+    def _loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """``compute_loss``, compiled with the model where ``--torch-compile-scope model``
+        says so."""
+        if self._compiled_loss is None:
+            return self.compute_loss(outputs, batch)
+        return self._compiled_loss(self, outputs, batch)
 
     def _train_loss(self, batch: Any) -> torch.Tensor:
         output = self.train_step(batch)
+        if not self._first_output_checked and torch.is_grad_enabled():
+            self._check_train_output(output)
+            self._first_output_checked = True
+        return loss_of(output, "train_step")
+
+    def _check_train_output(self, output: StepOutput) -> None:
+        """train_step's first output, checked once: what it returns cannot change kind."""
         if (
             isinstance(output, Mapping)
             and "num_tokens" in output
@@ -292,14 +300,12 @@ class Trainer(ABC):
                 "to return the token count, e.g. (batch['labels'] != -100).sum(), and drop "
                 "num_tokens from train_step's output"
             )
-        loss = loss_of(output, "train_step")
-        if torch.is_grad_enabled() and not loss.requires_grad:
+        if not loss_of(output, "train_step").requires_grad:
             raise HookError(
                 f"{type(self).__name__}.train_step returned a loss without gradient "
                 "(requires_grad is False): compute it from self.model's outputs, without "
                 ".detach(), .item() or torch.no_grad()"
             )
-        return loss
 
     def _log_step(
         self, logger: MetricsLogger, step: int, result: StepResult, batches: list[Any]
@@ -321,44 +327,16 @@ class Trainer(ABC):
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Mean eval loss (weighted by ``batch_weight``) over this rank's share of the
         validation set, summed over the data-parallel ranks, plus ``compute_metrics``. Runs the
-        unwrapped model. Ranks may hold different numbers of batches; when the model's forward
-        is itself a collective (FSDP2 and DeepSpeed ZeRO-3 gather parameters), a rank that runs
-        out repeats forwards whose outputs it discards, until every rank has run as many as the
-        rank with the most."""
-        loader = state.eval_dataloader
-        assert loader is not None
-        dp_group = state.mesh.group("dp")
+        unwrapped model, in lockstep over the ranks where its forward is a collective
+        (:mod:`rapidformer.templates.evaluation`)."""
         training_model = self.model
         self.model = state.unwrapped_model
-        self.model.eval()
-        totals = torch.zeros(2, device=self.device)
-        outputs: list[Mapping[str, Any]] = []
-        limit = self.config.training.eval_iters
-        count = len(loader) if limit is None else min(len(loader), limit)
-        if state.forward_backward.forward_is_collective(state):
-            count = process_group.all_reduce_max(count, dp_group, self.device)
         try:
-            with evaluation_context(state):
-                batches = iter(loader)
-                for _ in range(count):
-                    batch = next(batches, None)
-                    if batch is None:  # lockstep only: this rank's share is done
-                        self.eval_step(move_to_device(filler_batch(loader), self.device))
-                        continue
-                    batch = move_to_device(batch, self.device)
-                    output = self.eval_step(batch)
-                    weight = torch.as_tensor(
-                        self.batch_weight(batch), dtype=torch.float32, device=self.device
-                    )
-                    loss = local_loss(loss_of(output, "eval_step")).detach().float()
-                    totals += torch.stack([weight, loss * weight])
-                    outputs.append(output if isinstance(output, Mapping) else {"loss": output})
+            limit = self.config.training.eval_iters
+            loss, outputs = evaluation_pass(state, self.eval_step, self.batch_weight, limit)
         finally:
             self.model = training_model
-            state.model.train()
-        process_group.all_reduce_sum(totals, dp_group)
-        weight_sum, loss_sum = totals.tolist()
-        return {"eval_loss": loss_sum / max(weight_sum, 1e-12), **self.compute_metrics(outputs)}
+        return {"eval_loss": loss, **self.compute_metrics(outputs)}
 
     # ---- plumbing ------------------------------------------------------------------------
     def _total_steps(self, train_loader: DataLoader) -> int:

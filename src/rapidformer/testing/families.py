@@ -270,11 +270,6 @@ def tiny_model(
     return out
 
 
-def _first_id(*ids: int | None) -> int:
-    """The first id that the tokenizer has (BERT's [CLS]/[SEP] stand in for <s>/</s>)."""
-    return next((i for i in ids if i is not None), 0)
-
-
 def _texts(seed: int) -> list[str]:
     questions = [f"Where is {s}?" for s in SUBJECTS]
     return synthetic_documents(300, seed=seed) + questions

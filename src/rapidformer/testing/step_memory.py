@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import StepFunctions
+from rapidformer.step_io import StepFunctions
 
 Spec = dict[str, Any]
 

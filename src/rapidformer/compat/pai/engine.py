@@ -72,7 +72,7 @@ def _namespace(config: RapidformerConfig, extras: dict[str, Any]) -> argparse.Na
         "rank": env.rank,
         "local_rank": env.local_rank,
         "world_size": env.world_size,
-        "fp16": precision == "fp16" or config.precision.mixed_precision,
+        "fp16": precision == "fp16",
         "bf16": precision == "bf16",
     }
     return argparse.Namespace(**{**flat, **derived, **extras})

@@ -25,7 +25,7 @@ from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.distributed.process_group import Group
 from rapidformer.errors import Violation
-from rapidformer.state import ModelInputs
+from rapidformer.step_io import ModelInputs
 
 
 class ModelShape(TypedDict):

@@ -23,7 +23,7 @@ from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.distributed import process_group
 from rapidformer.distributed.process_group import Group
 from rapidformer.models.bert import BertConfig, BertModel
-from rapidformer.state import ModelInputs, local_loss, whole
+from rapidformer.step_io import ModelInputs, local_loss, whole
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
 
 

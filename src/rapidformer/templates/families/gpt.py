@@ -20,7 +20,7 @@ from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.errors import Violation
 from rapidformer.models.gpt import GPTConfig, GPTModel
-from rapidformer.state import ModelInputs
+from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
 
 

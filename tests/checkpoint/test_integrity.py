@@ -1,0 +1,151 @@
+"""Checkpoints survive crashes and damage: every file's size and checksum are recorded and
+verified; a damaged latest checkpoint gives way to the previous complete one; --save-keep
+prunes; kill -9 at random moments never leaves an unusable save directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidformer.checkpoint import find_checkpoint
+from rapidformer.checkpoint.integrity import damage
+from rapidformer.errors import CheckpointError
+from tests.helpers.trainers import ROOT, TINY_FLAGS, tiny_trainer
+
+FLAGS = ("--train-iters", "6", "--micro-batch-size", "4", "--save-interval", "2")
+
+
+def _run(save: Path, *flags: str) -> None:
+    trainer = tiny_trainer(*FLAGS, "--save", str(save), *flags)
+    try:
+        trainer.fit()
+    finally:
+        trainer.engine.close()
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_every_file_is_recorded_with_its_size_and_checksum(tmp_path: Path) -> None:
+    _run(tmp_path)
+    manifest = json.loads((tmp_path / "iter_0000006" / "manifest.json").read_text())["files"]
+    assert set(manifest) == {
+        "model.pt",
+        "optimizer.pt",
+        "lr_scheduler.pt",
+        "progress.json",
+        "rng/rank_00000.pt",
+    }
+    model = tmp_path / "iter_0000006" / "model.pt"
+    assert manifest["model.pt"]["size"] == model.stat().st_size
+    assert damage(tmp_path / "iter_0000006") is None
+
+
+def test_a_corrupted_latest_checkpoint_gives_way_to_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _run(tmp_path)
+    _flip_a_byte(tmp_path / "iter_0000006" / "optimizer.pt")
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000004"
+    assert "iter_0000006 is damaged" in caplog.text and "iter_0000004 instead" in caplog.text
+    assert "optimizer.pt is corrupted" in caplog.text
+    # Resuming from it redoes steps 5 and 6 and rewrites the damaged checkpoint.
+    _run(tmp_path, "--train-iters", "6")
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000006"
+    assert damage(tmp_path / "iter_0000006") is None
+
+
+def test_an_explicit_damaged_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    _run(tmp_path / "a")
+    model = tmp_path / "a" / "iter_0000004" / "model.pt"
+    model.write_bytes(model.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match=r"model\.pt is truncated or overwritten: 100 bytes"):
+        _run(tmp_path / "b", "--load", str(tmp_path / "a" / "iter_0000004"))
+    assert find_checkpoint(tmp_path / "b") is None  # nothing saved that a rerun could take
+    # Every checkpoint damaged: the error names the latest and says there is no older one.
+    for iteration in ("iter_0000002", "iter_0000006"):
+        _flip_a_byte(tmp_path / "a" / iteration / "model.pt")
+    with pytest.raises(CheckpointError, match=r"iter_0000006, which is damaged .*no older"):
+        find_checkpoint(tmp_path / "a")
+
+
+def test_save_keep_keeps_the_newest_checkpoints_and_debris_is_cleaned(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / ".tmp-iter_0000099").mkdir()  # what a save killed half-way leaves
+    (tmp_path / ".old-iter_0000002").mkdir()
+    _run(tmp_path, "--save-keep", "2")
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("iter_", ".")))
+    assert names == ["iter_0000004", "iter_0000006"]
+
+
+KILL_FLAGS = ("--train-iters", "40", "--micro-batch-size", "4", "--save-interval", "1")
+
+
+def _command(save: Path) -> list[str]:
+    script = ROOT / "tests" / "scripts" / "faulty_trainer.py"
+    flags = [*TINY_FLAGS, *KILL_FLAGS, "--log-interval", "1", "--save", str(save)]
+    return [sys.executable, "-m", "rapidformer", "--user-script", str(script), *flags]
+
+
+def _steps_logged(save: Path) -> int:
+    metrics = save / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_SLOW_SAVES": "0.02"}
+    reference = tmp_path / "reference"
+    done = subprocess.run(_command(reference), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    save, rng, resumes, mid_save, newest = tmp_path / "killed", random.Random(0), 0, 0, 0
+    for _ in range(20):
+        process = subprocess.Popen(_command(save), env=env, stderr=subprocess.PIPE, text=True)
+        logged = _steps_logged(save)
+        # Kill at a random moment once this attempt made progress: while training, or (every
+        # other time) as soon as a checkpoint is being staged.
+        deadline = time.monotonic() + 120
+        while _steps_logged(save) == logged and process.poll() is None:
+            assert time.monotonic() < deadline, "the resumed run made no progress"
+            time.sleep(0.01)
+        if rng.random() < 0.5:
+            while not list(save.glob(".tmp-*")) and process.poll() is None:
+                time.sleep(0.001)
+            mid_save += bool(list(save.glob(".tmp-*")))
+        time.sleep(rng.uniform(0.0, 0.05))
+        if process.poll() is not None:
+            break  # finished before the kill
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        resumes += 1
+        latest = find_checkpoint(save)  # never raises, never names a damaged checkpoint
+        if latest is None:  # killed before the first checkpoint was complete
+            assert newest == 0
+            continue
+        assert damage(latest) is None
+        step = json.loads((latest / "progress.json").read_text())["step"]
+        assert step >= newest  # a kill never loses a complete checkpoint
+        newest = step
+    final = subprocess.run(_command(save), env=env, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert resumes == 20 and mid_save >= 3, (resumes, mid_save)
+    print(f"kill -9 loop: {resumes} kills ({mid_save} while a checkpoint was staged), resumed")
+    assert not list(save.glob(".tmp-*")) and not list(save.glob(".old-*"))
+    a = torch.load(reference / "iter_0000040" / "model.pt")
+    b = torch.load(save / "iter_0000040" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)

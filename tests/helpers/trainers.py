@@ -1,0 +1,47 @@
+"""The tiny Trainer runs most tests start from, and reading what a run wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rapidformer import parse_args
+from rapidformer.cli import load_trainer_class
+from rapidformer.templates.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_tiny_transformer.py"
+DETERMINISTIC_SCRIPT = ROOT / "tests" / "scripts" / "deterministic_trainer.py"
+
+TINY_FLAGS = [
+    "--lr",
+    "3e-3",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "24",
+    "--max-position-embeddings",
+    "32",
+    "--log-interval",
+    "1",
+    "--clip-grad",
+    "1.0",
+]
+
+
+def tiny_trainer(*flags: str, dropout: float = 0.0) -> Trainer:
+    """The example's DemoTrainer on 64 training samples, configured by ``flags``."""
+    cls = load_trainer_class(str(DETERMINISTIC_SCRIPT))
+    trainer_class = type("Tiny", (cls,), {"dropout": dropout})
+    return trainer_class(parse_args([*TINY_FLAGS, *flags]))
+
+
+def read_losses(save_dir: Path, kind: str = "train") -> dict[int, float]:
+    """Step -> loss from a run's metrics.jsonl (JSON floats round-trip exactly)."""
+    records = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    key = "loss" if kind == "train" else "eval_loss"
+    return {r["step"]: r[key] for r in records if r["kind"] == kind}
