@@ -10,7 +10,7 @@ the allocator's high-water mark.
 
 A child trains a TinyTransformerLM whose activations dominate its memory (hidden 256,
 8 layers, micro batch 32 x 256 tokens, vocab 64, dropout 0) for a few steps through the
-rapidformer Trainer and reports the *training peak increment*: peak RSS (``ru_maxrss``) minus
+rapidformer Trainer and reports the *training peak increment*: peak RSS (``VmHWM``) minus
 the RSS measured once the model, optimizer and data loader exist, before the first step. The
 increment therefore holds activations, gradients and the AdamW state (created at the first
 step), which are the same in both configurations; only the activations differ. The losses of
@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -63,15 +62,23 @@ RESULT_PREFIX = "RESULT "  # marks the child's one line of JSON among anything e
 
 # ---- the child: one training run ---------------------------------------------------------
 def rss_kib() -> int:
-    """This process's resident set now, in KiB (``ru_maxrss`` only gives the peak)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status (this benchmark needs Linux)")
+    """This process's resident set now, in KiB."""
+    return _status_kib("VmRSS")
 
 
 def peak_rss_kib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    """This process's peak resident set, in KiB: its memory's high-water mark (``VmHWM``).
+    Not ``ru_maxrss``: a process started by fork and exec keeps, in that figure, the resident
+    set its parent had when it forked (a large pytest process made a child's training peak
+    look lower than its set-up)."""
+    return _status_kib("VmHWM")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status (this benchmark needs Linux)")
 
 
 class MemoryTrainer(Trainer):
@@ -133,6 +140,7 @@ def child(mode: str, steps: int) -> None:
         "plan": [str(step) for step in trainer.engine.state.plan],
         "baseline_mib": trainer.baseline_kib / 1024,
         "peak_mib": peak / 1024,
+        "peak_before_training_mib": trainer.peak_before_kib / 1024,
         "peak_increment_mib": (peak - trainer.baseline_kib) / 1024,
         # If the process peaked before training (it should not), the increment is too low.
         "peak_rose_in_training": peak > trainer.peak_before_kib,
@@ -192,7 +200,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f"{MICRO_BATCH} x {SEQ} tokens, vocab {VOCAB}, dropout 0, fp32, trained "
         f"{result['steps']} steps through the rapidformer Trainer on the CPU. Each run is its own "
         f"process with `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}`; {result['repeats']} runs per "
-        "mode, interleaved, medians shown. *Peak increment* = peak RSS (`ru_maxrss`) "
+        "mode, interleaved, medians shown. *Peak increment* = peak RSS (`VmHWM`) "
         "minus RSS after model, optimizer and data loader creation, before the first step: "
         "activations plus gradients plus AdamW state (the last two equal in every mode).",
         "",

@@ -16,26 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from activation_memory import peak_rss_kib, rss_kib  # one way to read the resident set
 
 VOCAB, HIDDEN, TOKENS = 50304, 1024, 4096
 MMAP_THRESHOLD = "131072"  # what activation_memory.run_script_child sets for the children
 RESULT_PREFIX = "RESULT "  # the line run_script_child reads
 MODES = ("plain", "fused")
-
-
-def _rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status (this benchmark needs Linux)")
 
 
 def child(mode: str, tokens: int, vocab: int) -> None:
@@ -45,7 +37,7 @@ def child(mode: str, tokens: int, vocab: int) -> None:
     hidden = torch.randn(tokens, HIDDEN, generator=generator, requires_grad=True)
     weight = (0.02 * torch.randn(vocab, HIDDEN, generator=generator)).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    baseline = _rss_kib()
+    baseline = rss_kib()
     started = time.perf_counter()
     if mode == "plain":
         loss = F.cross_entropy(F.linear(hidden, weight), targets)
@@ -53,7 +45,7 @@ def child(mode: str, tokens: int, vocab: int) -> None:
         loss = fused_linear_cross_entropy(hidden, weight, None, targets)
     loss.backward()
     seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_kib()
     result = {
         "mode": mode,
         "peak_increment_mib": (peak - baseline) / 1024,

@@ -54,6 +54,13 @@ def peak_memory_bytes(device: torch.device) -> int:
         import torch
 
         return torch.cuda.max_memory_allocated(device)
+    # The memory's high-water mark: ru_maxrss would keep, for a process started by fork and
+    # exec, the resident set its parent had when it forked.
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

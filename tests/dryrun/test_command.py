@@ -42,10 +42,13 @@ def _command(*flags: str, timeout: float = 120) -> tuple[subprocess.CompletedPro
     """``rapidformer`` in its own process (no MASTER_ADDR: no rendezvous is possible), and the
     seconds it took; it prints its own peak resident set last."""
     code = (
-        "import resource, sys\n"
+        "import sys\n"
+        "from pathlib import Path\n"
         "from rapidformer.cli import main\n"
         "code = main(sys.argv[1:])\n"
-        "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        # VmHWM, not ru_maxrss: the latter keeps the pytest parent's resident set at the fork.
+        "hwm = [l for l in Path('/proc/self/status').read_text().splitlines() if 'VmHWM' in l]\n"
+        "print('PEAK_RSS_KIB', hwm[0].split()[1])\n"
         "sys.exit(code)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
