@@ -132,7 +132,7 @@ def test_no_accel_module_asks_which_backend_another_one_is() -> None:
 
 def test_only_the_pipeline_slot_knows_it_is_a_pipeline() -> None:
     """What precision, data parallelism and checkpoints need from a pipeline they ask the
-    forward-backward slot (``forward_modules``, ``gradient_sync``, ``holds_whole_model``):
+    forward-backward slot (``forward_modules``, ``averaged_by``, ``holds_whole_model``):
     nobody else inspects the slot's type or its private members. Validation rules may read
     the pipeline degree: they run before any slot exists."""
     pattern = re.compile(

@@ -2,7 +2,7 @@
 --min-lr at the last step (Megatron's shape).
 
 A skipped step (a non-finite loss or gradient) does not advance the schedule. Where the step is
-decided on the device (:mod:`rapidformer.step.skipping`), so is the schedule:
+decided on the device (:mod:`rapidformer.step.optimizer_step`), so is the schedule:
 :class:`WarmupDecaySchedule` then counts the applied steps in a device tensor and writes each
 group's learning rate as a 0-dim device tensor that torch's fused optimizers read, and the host
 never has to know whether a step was applied.

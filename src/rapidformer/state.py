@@ -68,7 +68,7 @@ class ForwardBackward(Protocol):
     which implementation fills the slot."""
 
     name: str
-    gradient_sync: str
+    averaged_by: str
     """Who averages gradients over the data-parallel ranks: ``"ddp"`` (a DDP wrapper, or
     FSDP2's reduce-scatter, may be put around the model), ``"stepper"`` (the stages of a
     pipeline, which DDP cannot follow: the stepper averages once per step) or ``"self"``

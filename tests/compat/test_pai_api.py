@@ -89,6 +89,18 @@ def test_get_args_shows_our_flags_the_scripts_own_and_the_launch() -> None:
     assert (args.bf16, args.fp16, args.rank, args.world_size) == (True, False, 0, 1)
 
 
+def test_get_args_answers_pais_spellings_of_one_choice() -> None:
+    """PAI scripts read args.zero_2_memory_optimization, args.checkpoint_activations, ...: the
+    aliases of one typed field each, true where that field holds what they stand for."""
+    argv = ["--oss-sdp-memory-optimization", "--mixed-precision", "--checkpoint-activations"]
+    pai.RapidformerEngine(argv=argv)
+    args = pai.get_args()
+    assert args.sharding == "zero2" and args.precision == "fp16"
+    assert args.zero_2_memory_optimization and args.oss_sdp_memory_optimization
+    assert not (args.zero_1_memory_optimization or args.fsdp_memory_optimization)
+    assert args.mixed_precision and args.checkpoint_activations
+
+
 def test_pai_names_without_a_counterpart_are_refused_with_ours() -> None:
     with pytest.raises(ImportError, match=r"build_pretrain_huggingface_bert_datasets.*preprocess"):
         from rapidformer.compat.pai import build_pretrain_huggingface_bert_datasets  # noqa: F401

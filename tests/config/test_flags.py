@@ -179,6 +179,23 @@ def test_each_alias_sets_its_typed_field_from_the_command_line_yaml_and_a_dict(
     assert RapidformerConfig.from_dict({key: False}) == RapidformerConfig()
 
 
+def test_replacing_an_alias_with_false_turns_its_choice_off() -> None:
+    config = RapidformerConfig.from_dict(
+        {
+            "mixed_precision": True,
+            "zero_2_memory_optimization": True,
+            "checkpoint_activations": True,
+        }
+    )
+    off = config.replace(
+        mixed_precision=False, zero_2_memory_optimization=False, checkpoint_activations=False
+    )
+    assert (off.precision.precision, off.memory.sharding) == ("fp32", "none")
+    assert off.memory.recompute_granularity is None
+    # False for another value of the field changes nothing.
+    assert config.replace(zero_1_memory_optimization=False).memory.sharding == "zero2"
+
+
 def test_aliases_that_disagree_are_refused_naming_both() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_args(["--zero-1-memory-optimization", "--fsdp-memory-optimization"])

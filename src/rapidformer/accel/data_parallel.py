@@ -43,14 +43,14 @@ def apply_data_parallel(
     """DDP where it can reduce the gradients, else the averaging the stepper must do: the
     train state's ``gradient_sync``, written here only."""
     dp = mesh.dims.dp
-    sync = state.forward_backward.gradient_sync
+    averaged_by = state.forward_backward.averaged_by
     sharded = any(isinstance(part, FSDPModule) for part in state.model_parts)
-    if dp == 1 or sync == "self":
+    if dp == 1 or averaged_by == "self":
         return state
     if sharded:  # FSDP2 reduce-scatters the dense gradients; experts may be left to us
         state.gradient_sync = _expert_sync(state)
         return state
-    if sync == "stepper" or mesh.dims.tp > 1 or mesh.dims.ep > 1:
+    if averaged_by == "stepper" or mesh.dims.tp > 1 or mesh.dims.ep > 1:
         return _averaged_gradients(state, mesh)
     device_ids = [state.device.index] if state.device.type == "cuda" else None
     for parameter in state.model.parameters():

@@ -90,7 +90,7 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
         fully_shard(part, **options)
     if state.optimizer is not None:  # a user's optimizer holds the replaced parameters
         new = dict(state.unwrapped_model.named_parameters())
-        state.optimizer = _rebuilt(state.optimizer, names, new)
+        state.optimizer = _rebuilt(state.optimizer, names, new, config.memory.sharding)
     engine = f"FSDP2 fully_shard(reshard_after_forward={options['reshard_after_forward']})"
     detail = _describe(state, config, mesh, len(units), unit_class, experts_sharded)
     state.plan.append(PlanStep(f"{stage_name(sharding)} (native)", engine, detail))
@@ -184,10 +184,10 @@ def _require_fresh(optimizer: Optimizer, sharding: str) -> None:
 
 
 def _rebuilt(
-    optimizer: Optimizer, names: dict[int, str], new: dict[str, nn.Parameter]
+    optimizer: Optimizer, names: dict[int, str], new: dict[str, nn.Parameter], sharding: str
 ) -> Optimizer:
     """The same optimizer class, groups and hyper-parameters over FSDP2's sharded parameters."""
-    _require_fresh(optimizer, "zero2/zero3")
+    _require_fresh(optimizer, sharding)
     groups = [
         dict(group, params=[new[names[id(p)]] for p in group["params"]])
         for group in optimizer.param_groups

@@ -113,6 +113,20 @@ def resolve(values: dict[str, object]) -> tuple[dict[str, object], list[Violatio
     return resolved, violations
 
 
+def turned_off(values: dict[str, object], current: dict[str, object]) -> dict[str, object]:
+    """The fields that aliases given as false turn off in ``current`` (a flat config): each
+    returns to its default where it holds the alias's value (``cfg.replace(mixed_precision=
+    False)`` on an fp16 config is fp32 again). Only a change of a config reads a false alias
+    so; a loaded dict ignores it (older checkpoints store every alias, most of them false)."""
+    defaults = {spec.name: spec.default for spec in all_fields()}
+    off: dict[str, object] = {}
+    for key, raw in values.items():
+        alias = BY_NAME.get(key.replace("-", "_"))
+        if alias is not None and _boolean(raw) is False and current[alias.target] == alias.value:
+            off[alias.target] = defaults[alias.target]
+    return off
+
+
 def _boolean(raw: object) -> bool | None:
     if isinstance(raw, bool):
         return raw

@@ -68,6 +68,7 @@ class RapidformerConfig:
         merged: dict[str, object] = {
             name: value for section in self.to_dict().values() for name, value in section.items()
         }
+        merged.update(aliases.turned_off(flat, merged))
         changes, violations = aliases.resolve(flat)
         if violations:
             raise ConfigError(violations)

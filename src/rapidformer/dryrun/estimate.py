@@ -252,7 +252,7 @@ def _ddp(config: RapidformerConfig, state: TrainState) -> bool:
         dims.dp > 1
         and dims.tp == 1
         and dims.ep == 1
-        and state.forward_backward.gradient_sync == "ddp"
+        and state.forward_backward.averaged_by == "ddp"
         and not _fsdp(config, dims)
     )
 

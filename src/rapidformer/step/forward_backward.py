@@ -40,7 +40,7 @@ class EagerForwardBackward:
     also serves hand-written loops (:class:`rapidformer.state.MicroStepBackward`)."""
 
     name = "eager"
-    gradient_sync = "ddp"
+    averaged_by = "ddp"
     holds_whole_model = True
 
     def forward_modules(self, state: TrainState) -> list[nn.Module]:

@@ -1,5 +1,5 @@
-"""A step's gradients made ready for the update: averaged where no wrapper did it, unscaled,
-given their parameters' placements, and clipped by one global norm over every shard.
+"""A step's gradients made ready for the update: given their parameters' placements,
+averaged where no wrapper did it, unscaled, and clipped by one global norm over every shard.
 
 The default stepper (:mod:`rapidformer.step.optimizer_step`) calls these in that order; a
 pipeline's tied-weight sum uses :func:`align_gradients` too.

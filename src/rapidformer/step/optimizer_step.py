@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -136,22 +137,29 @@ class TorchStepper:
         return expected_bytes(state.unwrapped_model, state.optimizer, reference)
 
 
+class SteppingInner:
+    """Marks an optimizer that steps an inner optimizer, held in ``.optim``, over this rank's
+    partition (rapidformer's ZeRO-1 ``PartitionedOptimizer``; torch's ZeroRedundancyOptimizer
+    is one too): the inner one receives the skip."""
+
+
+def _applying(optimizer: Optimizer) -> Optimizer:
+    """The optimizer whose ``step()`` applies ``optimizer``'s update."""
+    wrapper = isinstance(optimizer, ZeroRedundancyOptimizer | SteppingInner)
+    return optimizer.optim if wrapper else optimizer  # type: ignore[attr-defined]
+
+
 def found_inf_taker(optimizer: Optimizer) -> Optimizer | None:
     """The optimizer whose ``step()`` applies ``optimizer``'s update and honours a
-    ``found_inf`` attribute, or None where none does. ZeRO-1's wrappers (torch's
-    ZeroRedundancyOptimizer, rapidformer's PartitionedOptimizer) step an inner optimizer held
-    in ``.optim``."""
-    inner = getattr(optimizer, "optim", None)
-    target = inner if isinstance(inner, Optimizer) else optimizer
+    ``found_inf`` attribute, or None where none does."""
+    target = _applying(optimizer)
     return target if getattr(target, "_step_supports_amp_scaling", False) else None
 
 
 def on_device_obstacle(optimizer: Optimizer, schedule: LRScheduler | None) -> str:
     """Why this optimizer and schedule cannot skip a step on the device; "" when they can."""
     if found_inf_taker(optimizer) is None:
-        inner = getattr(optimizer, "optim", None)
-        named = inner if isinstance(inner, Optimizer) else optimizer
-        return f"{type(named).__name__} takes no found_inf input"
+        return f"{type(_applying(optimizer)).__name__} takes no found_inf input"
     if schedule is not None and not isinstance(schedule, WarmupDecaySchedule):
         return f"the LR scheduler {type(schedule).__name__} steps on the host"
     return ""

@@ -243,7 +243,7 @@ class Finetuner(Trainer):
     def eval_step(self, batch: Any) -> StepOutput:
         assert self.model is not None
         outputs = call_model(self.model, self.model_inputs(batch))
-        loss = self.compute_loss(outputs, batch)
+        loss = self._loss(outputs, batch)  # compiled with the model where the run is
         return {"loss": loss, **self.task.statistics(outputs, batch, loss)}
 
     def compute_metrics(self, outputs: list[Mapping[str, Any]]) -> dict[str, float]:

@@ -348,11 +348,11 @@ REFUSED = {
     "zero_2_memory_optimization": ("--sharding zero2 (--oss-sdp-memory-optimization",),
     "oss_memory_optimization": ("--sharding zero1 (--oss-memory-optimization",),
     "fsdp_memory_optimization": ("--sharding zero3 (--fsdp-memory-optimization",),
-    "checkpoint_activations": ("--recompute-granularity full: ORT's gradient graph",),
+    "checkpoint_activations": ("--recompute-granularity full (--checkpoint-activations): ORT",),
     "torch_compile": ("--torch-compile: the forward and backward already run",),
     "num_experts": ("--num-experts 4: expert routing",),
     "precision": ("--precision bf16: ORT trains in fp32",),
-    "mixed_precision": ("--precision fp16: ORT trains in fp32",),
+    "mixed_precision": ("--precision fp16 (--mixed-precision): ORT trains in fp32",),
 }
 VALUES: dict[str, object] = {"num_experts": 4, "precision": "bf16"}
 

@@ -92,7 +92,7 @@ class DeepSpeedForwardBackward(EagerForwardBackward):
     one); see the module docstring."""
 
     name = "DeepSpeed engine"
-    gradient_sync = "self"
+    averaged_by = "self"
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -213,7 +213,7 @@ class OrtForwardBackward(EagerForwardBackward):
     with ORT computing each loss and its gradients; see the module docstring."""
 
     name = "ONNX Runtime training"
-    gradient_sync = "self"
+    averaged_by = "self"
 
     def __init__(self, model: nn.Module, seed: int) -> None:
         self.model = model
@@ -268,7 +268,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
     process or data-parallel ranks."""
     if not config.graph.onnx_runtime_training:
         return
-    flag, dims = FLAG, context.dims
+    flag, dims, drop = FLAG, context.dims, f"drop {FLAG}"
     if not context.runs_loop:
         yield Violation(
             flag,
@@ -279,45 +279,58 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
         )
     memory, precision = config.memory, config.precision.precision
     # Each switch ORT cannot run with, and why; the refusal names this flag.
-    conflicts = {
-        spellings("sharding", memory.sharding): (
+    # Each switch ORT cannot run with: (on, spelled as the user may have typed it, why, fix).
+    # The refusal names this flag, the other switch in its text.
+    recompute = memory.recompute_granularity
+    conflicts = [
+        (
             memory.sharding != "none",
+            spellings("sharding", memory.sharding),
             "ORT holds its own whole copy of the parameters",
+            "--sharding none",
         ),
-        "--cpu-offload": (memory.cpu_offload, "ORT keeps the parameters in its own memory"),
-        f"--recompute-granularity {memory.recompute_granularity}": (
-            memory.recompute_granularity is not None,
+        (memory.cpu_offload, "--cpu-offload", "ORT keeps the parameters in its own memory", ""),
+        (
+            recompute is not None,
+            spellings("recompute_granularity", recompute),
             "ORT's gradient graph decides what to keep; torch's checkpoint is not exported",
+            "",
         ),
-        "--torch-compile": (
+        (
             config.graph.torch_compile,
+            "--torch-compile",
             "the forward and backward already run in ONNX Runtime, not in torch",
+            "",
         ),
-        f"--tensor-model-parallel-size {dims.tp}": (
+        (
             dims.tp > 1,
+            f"--tensor-model-parallel-size {dims.tp}",
             "the exported graph is the whole model on one process",
+            "--tensor-model-parallel-size 1",
         ),
-        f"--pipeline-model-parallel-size {dims.pp}": (
+        (
             dims.pp > 1,
+            f"--pipeline-model-parallel-size {dims.pp}",
             "the exported graph is the whole model on one process",
+            "--pipeline-model-parallel-size 1",
         ),
-        f"--num-experts {config.moe.num_experts}": (
+        (
             (config.moe.num_experts or 1) > 1,
+            f"--num-experts {config.moe.num_experts}",
             "expert routing needs all-to-all collectives in the step",
+            "",
         ),
-        f"--precision {precision}": (
+        (
             precision != "fp32",
+            spellings("precision", precision),
             "ORT trains in fp32: the exported graph would not contain torch's autocast",
+            "--precision fp32",
         ),
-    }
-    for other, (on, why) in conflicts.items():
+    ]
+    for on, other, why, fix in conflicts:
         if on:
-            yield Violation(
-                flag,
-                True,
-                f"cannot run with {other}: {why}",
-                f"drop {other.split(' (')[0]}, or drop {flag}",
-            )
+            change = f"use {fix}" if fix else f"drop {other.split(' (')[0]}"
+            yield Violation(flag, True, f"cannot run with {other}: {why}", f"{change}, or {drop}")
     if context.on_this_machine and not _ort_importable():
         yield Violation(
             flag,

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from rapidformer.distributed.tensors import local_part
+from rapidformer.step.optimizer_step import SteppingInner
 
 
-class PartitionedOptimizer(Optimizer):
+class PartitionedOptimizer(Optimizer, SteppingInner):
     """``optimizer_class`` over this data-parallel rank's share of the parameters; see the
     module docstring."""
 

@@ -112,7 +112,7 @@ class PipelineForwardBackward:
         """The ranks holding this pipeline's first and last stage (None: one rank holds both)."""
 
     # ---- the slot ------------------------------------------------------------------------
-    gradient_sync = "stepper"  # DDP cannot follow a schedule's interleaved micro-batches
+    averaged_by = "stepper"  # DDP cannot follow a schedule's interleaved micro-batches
     holds_whole_model = False
 
     def forward_modules(self, state: TrainState) -> list[nn.Module]:

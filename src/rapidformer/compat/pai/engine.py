@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from rapidformer.config.aliases import ALIASES
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import ArgsProvider, parse_args_with_extras
 from rapidformer.config.root import RapidformerConfig
@@ -75,6 +76,9 @@ def _namespace(config: RapidformerConfig, extras: dict[str, Any]) -> argparse.Na
         "fp16": precision == "fp16",
         "bf16": precision == "bf16",
     }
+    # PAI's own spellings (--mixed-precision, --zero-2-memory-optimization, ...): each true
+    # where the typed field holds the value it stands for.
+    derived.update({alias.name: flat[alias.target] == alias.value for alias in ALIASES})
     return argparse.Namespace(**{**flat, **derived, **extras})
 
 
