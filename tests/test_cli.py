@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rapidformer.cli import main
-from tests.helpers.trainers import EXAMPLE, read_losses
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, EXAMPLE, TINY_FLAGS, read_losses
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -55,7 +55,7 @@ def test_bad_flags_are_all_reported_and_nothing_is_built(
     code = main(
         [
             "--user-script",
-            str(EXAMPLE),
+            str(DETERMINISTIC_SCRIPT),  # a Trainer subclass only: the command runs it
             "--micro-batch-size",
             "3",
             "--global-batch-size",
@@ -116,3 +116,21 @@ def test_help_and_flag_errors_answer_without_importing_torch() -> None:
 
     assert rapidformer.Finetuner.__name__ == "Finetuner"  # the lazy exports still resolve
     assert set(rapidformer.__all__) <= set(dir(rapidformer))
+
+
+def test_a_script_that_trains_at_its_top_level_trains_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's old quick start had its fit() at the top level, and --user-script ran it
+    and then the class again: the file is now the program, and its own run is the one run."""
+    script = tmp_path / "top_level.py"
+    script.write_text(
+        "from rapidformer.cli import load_trainer_class\n"
+        f"Base = load_trainer_class({str(DETERMINISTIC_SCRIPT)!r})\n"
+        "class TopLevel(Base):\n    pass\n"
+        f"TopLevel(argv={[*TINY_FLAGS, '--train-iters', '2']!r}).fit()\n"
+    )
+    capsys.readouterr()
+    assert main(["--user-script", str(script), *TINY_FLAGS, "--train-iters", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("rapidformer plan on ") == 1 and err.count("final metrics: ") == 1, err

@@ -1,27 +1,35 @@
 """The black-box entry point: ``rapidformer [flags]`` or ``python -m rapidformer [flags]``.
 
-``--user-script FILE`` runs the Trainer subclass defined in FILE with the same flags;
+``--nproc-per-node N`` runs the command on N local processes (:mod:`rapidformer.workers`).
 ``--task pretraining`` runs the Pretrainer; the fine-tuning tasks (sequence_classification,
 token_classification, question_answering, masked_lm, casual_lm / causal_lm, seq2seq_lm) run
 the Finetuner.
+
+``--user-script FILE`` runs FILE once, as the program itself: it becomes the process's
+``__main__`` with the other flags as its command line, as ``python FILE flags`` would run it,
+so the ``if __name__ == "__main__":`` block that PAI-Rapidformer's scripts (and rapidformer's
+examples) end with is the run. A script that trains nothing there (no such block: it only
+defines a Trainer subclass) gets its one Trainer subclass run with the flags. Either way there
+is one run: a script that built an engine while it ran is not followed by a second run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
-import json
 import os
 import sys
-import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.errors import ConfigError, Preempted, RapidformerError, Violation, exit_code_of
+from rapidformer.errors import ConfigError, RapidformerError, Violation
+from rapidformer.reporting import report, report_uncaught
+from rapidformer.workers import run_local_workers, split_launch
 
 # torch loads only once the flags have parsed: `rapidformer --help` and a bad flag answer in a
 # fraction of a second (tests/test_cli.py times it).
@@ -30,9 +38,9 @@ if TYPE_CHECKING:
 
 
 def load_trainer_class(script: str) -> type[Trainer]:
-    """The one concrete Trainer subclass defined in ``script``."""
-    from rapidformer.templates.trainer import Trainer
-
+    """The one concrete Trainer subclass defined in ``script``, imported as a module (its
+    ``__main__`` block does not run)."""
+    report_uncaught()  # in a script, a bad script is one message, as the command's
     path = Path(script)
     if not path.is_file():
         raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
@@ -41,29 +49,79 @@ def load_trainer_class(script: str) -> type[Trainer]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return _one_trainer_class(module, script)
+
+
+@contextlib.contextmanager
+def as_the_program(script: str, args: Sequence[str]) -> Iterator[type[Trainer] | None]:
+    """Run ``script`` as the program's ``__main__`` with ``args`` as its command line (less
+    ``--user-script``); inside, the script's one Trainer subclass for the command to run, or
+    None where the script trained itself (it built a RapidformerEngine while it ran).
+
+    Until the context ends the script is the program, as under ``python FILE``: its classes
+    pickle by reference to ``__main__`` (data-loader workers), its folder is importable, the
+    command line is its own. Then the process's own are back (an in-process caller)."""
+    from rapidformer.engine.engine import engines_built
+
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
+    spec = importlib.util.spec_from_file_location("__main__", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules["__main__"], sys.argv, list(sys.path)
+    sys.modules["__main__"] = module
+    sys.argv = [str(path), *_without_user_script(args)]
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        before = engines_built()
+        spec.loader.exec_module(module)
+        trained = engines_built() > before
+        yield None if trained else _one_trainer_class(module, script, trained=False)
+    finally:
+        sys.modules["__main__"], sys.argv, sys.path[:] = saved
+
+
+def _without_user_script(args: Sequence[str]) -> list[str]:
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--user-script":
+            skip = True
+        elif not arg.startswith("--user-script="):
+            kept.append(arg)
+    return kept
+
+
+def _one_trainer_class(module: object, script: str, trained: bool = True) -> type[Trainer]:
+    from rapidformer.templates.trainer import Trainer
+
     found = [
         obj
         for obj in vars(module).values()
         if inspect.isclass(obj)
         and issubclass(obj, Trainer)
         and not inspect.isabstract(obj)
-        and obj.__module__ == module.__name__
+        and obj.__module__ == getattr(module, "__name__", None)
     ]
     if len(found) != 1:
         names = ", ".join(cls.__name__ for cls in found) or "none"
+        ran = "" if trained else " and trained nothing when run as the program"
         raise ConfigError.single(
             "--user-script",
             script,
-            f"must define exactly one concrete Trainer subclass (found: {names})",
-            "define one class that subclasses rapidformer.Trainer and implements its hooks",
+            f"must define exactly one concrete Trainer subclass (found: {names}){ran}",
+            "define one class that subclasses rapidformer.Trainer and implements its hooks "
+            '(or train in the script\'s `if __name__ == "__main__":` block)',
         )
     return found[0]
 
 
 def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
-    script, task = config.training.user_script, config.training.task
-    if script is not None:
-        return load_trainer_class(script)
+    """The template class a black-box run (no ``--user-script``) runs."""
+    task = config.training.task
     if task is None:
         raise ConfigError.single(
             "--task",
@@ -80,19 +138,26 @@ def trainer_class_for(config: RapidformerConfig) -> type[Trainer]:
     return Finetuner
 
 
-def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
-    """The Trainer class to run, after checking the flags: every problem at once."""
+def checked_trainer_class(
+    config: RapidformerConfig,
+    trainer_class: type[Trainer] | None = None,
+    world_size: int | None = None,
+) -> type[Trainer]:
+    """The Trainer class to run (``trainer_class``, a user script's, or the task's template),
+    after checking the flags for ``world_size`` ranks (default: this launch's): every problem
+    at once."""
     from rapidformer.engine.validation import validate
 
     violations: list[Violation] = []
-    trainer_class: type[Trainer] | None = None
-    try:
-        trainer_class = trainer_class_for(config)
-    except ConfigError as exc:
-        violations.extend(exc.violations)
+    if trainer_class is None:
+        try:
+            trainer_class = trainer_class_for(config)
+        except ConfigError as exc:
+            violations.extend(exc.violations)
     extra = trainer_class.config_violations(config) if trainer_class is not None else []
     try:
-        validate(config, LaunchEnv.read().world_size, builds_optimizer=False, extra=extra)
+        world = LaunchEnv.read().world_size if world_size is None else world_size
+        validate(config, world, builds_optimizer=False, extra=extra)
     except ConfigError as exc:
         violations.extend(exc.violations)
     if violations or trainer_class is None:
@@ -102,33 +167,55 @@ def checked_trainer_class(config: RapidformerConfig) -> type[Trainer]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code (see ``rapidformer.errors.EXIT_CODES``)."""
-    from rapidformer.logging import log, setup_console_logging
+    from rapidformer.logging import setup_console_logging
 
     setup_console_logging()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
+        nproc, args = split_launch(args)
         config = parse_args(args)
         if config.planning.dry_run:
             return _dry_run(config)
-        from rapidformer.distributed import process_group
-
-        trainer = checked_trainer_class(config)(config)
-        try:
-            metrics = trainer.fit()
-        except BaseException as exc:
-            if not isinstance(exc, RapidformerError):
-                # Raised on this rank only, maybe: leaving must not wait for peers that are
-                # inside a step (they see this rank go and fail naming it).
-                process_group.mark_broken()
-            raise
-        finally:
-            trainer.engine.close()
+        if nproc is not None:
+            return _launch(config, nproc, args)
+        script = config.training.user_script
+        if script is None:
+            _train(checked_trainer_class(config)(config))
+            return 0
+        with as_the_program(script, args) as script_class:
+            if script_class is not None:  # else the script trained itself, as the program
+                _train(checked_trainer_class(config, script_class)(config))
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 (the command reports all)
-        return report(exc, debug, config_script(args))
-    if trainer.engine.is_main_process:
-        log.info("final metrics: %s", json.dumps(metrics))
+        return report(exc, debug)
     return 0
+
+
+def _launch(config: RapidformerConfig, nproc: int, args: Sequence[str]) -> int:
+    """``--nproc-per-node N``: the flags checked for N ranks here, then N workers
+    (:mod:`rapidformer.workers`). A user script's run is checked by the workers: the script
+    may set flags of its own there (only its file is checked here)."""
+    script = config.training.user_script
+    if script is None:
+        checked_trainer_class(config, world_size=nproc)
+    elif not Path(script).is_file():
+        raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
+    return run_local_workers(nproc, args)
+
+
+def _train(trainer: Trainer) -> None:
+    from rapidformer.distributed import process_group
+
+    try:
+        trainer.fit()
+    except BaseException as exc:
+        if not isinstance(exc, RapidformerError):
+            # Raised on this rank only, maybe: leaving must not wait for peers that are inside
+            # a step (they see this rank go and fail naming it).
+            process_group.mark_broken()
+        raise
+    finally:
+        trainer.engine.close()
 
 
 def _dry_run(config: RapidformerConfig) -> int:
@@ -141,47 +228,3 @@ def _dry_run(config: RapidformerConfig) -> int:
         if config.checkpoint.save is not None:
             print(f"written to {Path(config.checkpoint.save) / REPORT_FILE}")
     return 0
-
-
-def config_script(args: Sequence[str]) -> str | None:
-    """The --user-script of a command line, to point errors at the user's own code."""
-    for index, arg in enumerate(args):
-        if arg.startswith("--user-script="):
-            return arg.split("=", 1)[1]
-        if arg == "--user-script" and index + 1 < len(args):
-            return args[index + 1]
-    return None
-
-
-def report(exc: BaseException, debug: bool, script: str | None = None) -> int:
-    """Print one message for the error that ended the run (the traceback too with
-    ``debug``) and return the exit code."""
-    if debug:
-        traceback.print_exception(exc)
-    if isinstance(exc, Preempted):
-        print(f"rapidformer: {exc}", file=sys.stderr)
-    elif isinstance(exc, RapidformerError):
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
-    elif isinstance(exc, KeyboardInterrupt):
-        print("rapidformer: interrupted", file=sys.stderr)
-        return 130
-    else:
-        print(
-            f"rapidformer: error: {type(exc).__name__}: {exc} ({_origin(exc, script)})."
-            + ("" if debug else " Rerun with --debug (or RAPIDFORMER_DEBUG=1) for the traceback"),
-            file=sys.stderr,
-        )
-    return exit_code_of(exc)
-
-
-def _origin(exc: BaseException, script: str | None) -> str:
-    """Where ``exc`` was raised: the innermost frame in the user's script if it passed
-    through it, else the innermost frame."""
-    if isinstance(exc, SyntaxError):  # the frame is the importer's: the file is in the error
-        return f"in {exc.filename}, line {exc.lineno}"
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "no traceback"
-    mine = [f for f in frames if script is not None and Path(f.filename) == Path(script)]
-    frame = (mine or frames)[-1]
-    return f"raised in {frame.name} at {frame.filename}:{frame.lineno}"

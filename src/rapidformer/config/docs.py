@@ -75,6 +75,15 @@ def render_parameters() -> str:
         "| `--config` | str | — | — | YAML or JSON file of flags; command-line flags "
         "override it. |",
         "",
+        "## launching",
+        "",
+        "| flag | type | default | choices | meaning |",
+        "|---|---|---|---|---|",
+        "| `--nproc-per-node` | int | — | — | Run the command on this many local processes "
+        "(torchrun's agent inside the command; the flags checked once before any worker "
+        "starts; a failed worker's exit code, nothing added): "
+        "[cli.md](cli.md#several-processes). |",
+        "",
     ]
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
 from rapidformer.config.schema import SECTIONS
 from rapidformer.errors import ConfigError
+from rapidformer.reporting import report_uncaught
 
 OTHER_TOOLS_NAMES = {
     "--learning-rate": "--lr",
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rapidformer",
         description="Train transformers fast by flipping switches. Every flag is documented "
         "in docs/parameters.md.",
+        epilog="Launch: `rapidformer --nproc-per-node N [flags]` runs the command on N local "
+        "processes (docs/cli.md).",
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument(
@@ -118,6 +121,7 @@ def parse_args_with_extras(
 ) -> tuple[RapidformerConfig, dict[str, Any]]:
     """Like :func:`parse_args`, with the flags ``extra_args_provider(parser)`` adds returned
     apart (by destination; None when not given and without a default)."""
+    report_uncaught()  # in a script, a bad flag is one message, as the command's
     parser = build_parser()
     before = set(map(id, parser._actions))
     if extra_args_provider is not None:

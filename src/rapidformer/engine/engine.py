@@ -50,13 +50,22 @@ from rapidformer.hardware import Peak
 from rapidformer.logging import setup_console_logging
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
+from rapidformer.reporting import report_uncaught, set_debug
 from rapidformer.seeding import seed_everything
 from rapidformer.state import TrainState
 from rapidformer.step.forward_backward import EagerForwardBackward
 from rapidformer.step.optimizer_step import TorchStepper
 from rapidformer.step_io import StepFunctions, StepOutcome
 
-__all__ = ["RapidformerEngine", "StepResult"]
+__all__ = ["RapidformerEngine", "StepResult", "engines_built"]
+
+_built = [0]  # engines constructed in this process (a list: module state without `global`)
+
+
+def engines_built() -> int:
+    """How many engines this process has constructed: ``--user-script`` tells by it whether a
+    script trained itself (every template and hand-written loop builds one)."""
+    return _built[0]
 
 
 class RapidformerEngine:
@@ -74,6 +83,9 @@ class RapidformerEngine:
         whether rapidformer's loop decides the run length (both True for the templates); they
         make ``--lr`` and ``--train-iters``/``--epochs`` required. ``extra_violations``: a
         template's own rule violations, reported with the general ones."""
+        _built[0] += 1
+        report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
+        set_debug(config.logging.debug)
         env = LaunchEnv.read()
         # Validation first: a bad combination must fail before any process group exists.
         self.dims = validate(

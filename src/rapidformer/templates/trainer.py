@@ -15,6 +15,7 @@ Hooks never read acceleration flags: the same hooks run under DDP, fp16 or check
 from __future__ import annotations
 
 import contextlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -34,6 +35,7 @@ from rapidformer.errors import HookError, Preempted, Violation
 from rapidformer.logging import MetricsLogger, log
 from rapidformer.reliability.peers import naming_lost_peers
 from rapidformer.reliability.spikes import SpikeDetector
+from rapidformer.reporting import report_uncaught, set_debug
 from rapidformer.schedules import build_lr_scheduler
 from rapidformer.seeding import seed_everything
 from rapidformer.state import TrainState
@@ -59,8 +61,10 @@ class Trainer(ABC):
     def __init__(
         self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
     ) -> None:
+        report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
         _check_step_hooks(type(self))
         self.config = config if config is not None else parse_args(argv)
+        set_debug(self.config.logging.debug)
         # A subclass that builds its own optimizer does not need --lr.
         builds_optimizer = type(self).build_optimizer is Trainer.build_optimizer
         self.engine = RapidformerEngine(
@@ -162,7 +166,10 @@ class Trainer(ABC):
         :class:`~rapidformer.errors.Preempted`. A collective that fails because a peer died
         raises :class:`~rapidformer.errors.PeerLostError` naming the missing rank."""
         with naming_lost_peers(self.config.parallel.distributed_timeout_minutes):
-            return self._fit()
+            metrics = self._fit()
+        if self.engine.is_main_process:  # a script's run and the command's alike
+            log.info("final metrics: %s", json.dumps(metrics))
+        return metrics
 
     def _fit(self) -> dict[str, float]:
         cfg, engine = self.config, self.engine

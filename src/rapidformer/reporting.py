@@ -1,0 +1,125 @@
+"""One message for the error that ends a run, wherever the run was started.
+
+The ``rapidformer`` command, a user's script calling ``Trainer.fit()`` and every rank under
+torchrun end the same way: one line naming the input and the fix (no traceback unless
+``--debug`` or ``RAPIDFORMER_DEBUG=1``) and the exit code of ``rapidformer.errors.EXIT_CODES``.
+A configuration error is the same on every rank, so only rank 0 prints it.
+
+The command reports what it catches (:func:`report`). A script has no such frame around its
+``fit()``: :func:`report_uncaught` installs a ``sys.excepthook`` (once, in a script, not in an
+interactive interpreter or a notebook) that reports an error nobody caught the same way and
+exits with its code, where the error ended a rapidformer run (rapidformer raised it, or it
+came up through rapidformer's code from a hook); the script's own errors keep Python's
+traceback. Code that catches the exception sees it as always. The templates, the engine,
+``parse_args`` and the loading of a user script install it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+from types import TracebackType
+
+from rapidformer.errors import ConfigError, Preempted, RapidformerError, exit_code_of
+
+_PACKAGE = Path(__file__).resolve().parent
+_installed: list[bool] = [False]
+_debug: list[bool] = [False]
+
+
+def set_debug(on: bool) -> None:
+    """``--debug`` of the run being set up: an uncaught error prints its traceback too."""
+    _debug[0] = _debug[0] or on
+
+
+def debugging() -> bool:
+    return _debug[0] or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
+
+
+def report(exc: BaseException, debug: bool) -> int:
+    """Print one message for the error that ended the run (the traceback too with
+    ``debug``) and return the exit code."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, ConfigError) and _rank() != 0:
+        return exit_code_of(exc)  # every rank has the same one: rank 0 says it
+    if isinstance(exc, Preempted):
+        print(f"rapidformer: {exc}", file=sys.stderr)
+    elif isinstance(exc, RapidformerError):
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+    elif isinstance(exc, KeyboardInterrupt):
+        print("rapidformer: interrupted", file=sys.stderr)
+        return 130
+    else:
+        print(
+            f"rapidformer: error: {type(exc).__name__}: {exc} ({_origin(exc)})."
+            + ("" if debug else " Rerun with --debug (or RAPIDFORMER_DEBUG=1) for the traceback"),
+            file=sys.stderr,
+        )
+    return exit_code_of(exc)
+
+
+def _origin(exc: BaseException) -> str:
+    """Where ``exc`` was raised: the innermost frame of the user's own code (a script, a hook)
+    if it passed through any, else the innermost frame."""
+    if isinstance(exc, SyntaxError):  # the frame is the importer's: the file is in the error
+        return f"in {exc.filename}, line {exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "no traceback"
+    frame = ([f for f in frames if _users(f.filename)] or frames)[-1]
+    return f"raised in {frame.name} at {frame.filename}:{frame.lineno}"
+
+
+def _users(filename: str) -> bool:
+    """Whether ``filename`` is the user's code: neither rapidformer's nor installed packages'
+    or the standard library's."""
+    path = Path(filename).resolve()
+    paths = sysconfig.get_paths()
+    installed = {Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(root == path or root in path.parents for root in {_PACKAGE, *installed})
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def report_uncaught() -> None:
+    """In a script, report an error nobody catches as the command does (see the module
+    docstring); idempotent, and nothing in an interactive session."""
+    if _installed[0] or hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    _installed[0] = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not isinstance(exc, Exception | KeyboardInterrupt) or not _ends_a_run(exc):
+            previous(kind, exc, tb)  # the script's own error, not one of a rapidformer run
+            return
+        code = report(exc, debug=debugging())
+        # Python would exit 1 after this hook: leave with the command's code instead, once
+        # the exit handlers ran (process groups, logs, workers) as a normal exit runs them.
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    sys.excepthook = hook
+
+
+def _ends_a_run(exc: BaseException) -> bool:
+    """Whether ``exc`` ended a rapidformer run: rapidformer raised it, or it came up through
+    rapidformer's code (a hook rapidformer called raised it)."""
+    if isinstance(exc, RapidformerError):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(_PACKAGE in Path(frame.filename).resolve().parents for frame in frames)
