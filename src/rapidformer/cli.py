@@ -28,6 +28,7 @@ from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError, RapidformerError, Violation
+from rapidformer.quiet import quiet_third_parties
 from rapidformer.reporting import report, report_uncaught
 from rapidformer.workers import run_local_workers, split_launch
 
@@ -154,6 +155,8 @@ def checked_trainer_class(
             trainer_class = trainer_class_for(config)
         except ConfigError as exc:
             violations.extend(exc.violations)
+    if trainer_class is not None:
+        config = trainer_class.config_defaults(config)
     extra = trainer_class.config_violations(config) if trainer_class is not None else []
     try:
         world = LaunchEnv.read().world_size if world_size is None else world_size
@@ -171,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     setup_console_logging()
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_parties(verbose="--verbose" in args)  # before anything loads them
     debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
         nproc, args = split_launch(args)

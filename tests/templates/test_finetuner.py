@@ -288,3 +288,30 @@ def test_zero3_fine_tuning_evaluates_uneven_shards_and_saves_the_whole_model(
     assert saved.keys() == reference.keys()
     assert all(saved[k].dtype == torch.float32 and saved[k].numel() for k in saved)
     assert max((saved[k] - reference[k]).abs().max().item() for k in saved) <= 1e-3
+
+
+@pytest.mark.parametrize(
+    ("task", "lr", "epochs", "warmup"),
+    [
+        ("sequence_classification", 2e-5, 3, 0.1),
+        ("token_classification", 5e-5, 3, 0.1),
+        ("question_answering", 3e-5, 2, 0.1),
+        ("masked_lm", 5e-5, 3, 0.0),
+        ("casual_lm", 5e-5, 3, 0.0),
+        ("seq2seq_lm", 5e-5, 3, 0.0),
+    ],
+)
+def test_each_task_fills_what_the_flags_leave_open_with_its_recipe(
+    task: str, lr: float, epochs: int, warmup: float
+) -> None:
+    """The Hugging Face examples' learning rate, epochs and warmup per task, where no flag
+    chose them; a flag given wins, and a length given as --train-iters keeps epochs unset."""
+    config = Finetuner.config_defaults(parse_args(["--task", task]))
+    training = config.training
+    assert (training.lr, training.epochs, training.lr_warmup_fraction) == (lr, epochs, warmup)
+    given = parse_args(["--task", task, "--lr", "1e-3", "--train-iters", "5"])
+    kept = Finetuner.config_defaults(given).training
+    assert (kept.lr, kept.train_iters, kept.epochs) == (1e-3, 5, None)
+    assert kept.lr_warmup_fraction == warmup
+    no_warmup = parse_args(["--task", task, "--lr-warmup-iters", "7"])
+    assert Finetuner.config_defaults(no_warmup).training.lr_warmup_fraction is None

@@ -13,6 +13,10 @@ class LaunchEnv:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int = 1
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    omp_num_threads: int | None = None
+    """The OMP_NUM_THREADS the process was started with (None: not set)."""
     restart_count: int | None = None
     """torchrun's attempt number (0 at first, +1 per restart); None outside torchrun."""
     agent_store: tuple[str, int] | None = None
@@ -27,8 +31,14 @@ class LaunchEnv:
             rank=int(os.environ.get("RANK", "0")),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            omp_num_threads=_int_or_none(os.environ.get("OMP_NUM_THREADS")),
             restart_count=int(restarts) if restarts is not None else None,
             agent_store=(
                 (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if agent else None
             ),
         )
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text is not None and text.strip().isdigit() else None

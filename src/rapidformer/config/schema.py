@@ -341,6 +341,10 @@ class LoggingConfig:
     debug: bool = False
     """Print the Python traceback of an error that ends a run (also RAPIDFORMER_DEBUG=1);
     by default the command prints one message naming the input and the fix."""
+    verbose: bool = False
+    """Show what third-party libraries print on their own (transformers' load reports and
+    progress bars, DeepSpeed's and torchao's notices); by default a run prints its plan and its
+    progress."""
 
 
 @dataclass(frozen=True, kw_only=True)

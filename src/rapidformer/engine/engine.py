@@ -48,6 +48,7 @@ from rapidformer.errors import Violation
 from rapidformer.flops import MfuMeter
 from rapidformer.hardware import Peak
 from rapidformer.logging import setup_console_logging
+from rapidformer.quiet import quiet_third_parties
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
 from rapidformer.reporting import report_uncaught, set_debug
@@ -56,6 +57,7 @@ from rapidformer.state import TrainState
 from rapidformer.step.forward_backward import EagerForwardBackward
 from rapidformer.step.optimizer_step import TorchStepper
 from rapidformer.step_io import StepFunctions, StepOutcome
+from rapidformer.threads import choose_threads
 
 __all__ = ["RapidformerEngine", "StepResult", "engines_built"]
 
@@ -86,6 +88,7 @@ class RapidformerEngine:
         _built[0] += 1
         report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
         set_debug(config.logging.debug)
+        quiet_third_parties(config.logging.verbose)
         env = LaunchEnv.read()
         # Validation first: a bad combination must fail before any process group exists.
         self.dims = validate(
@@ -104,6 +107,8 @@ class RapidformerEngine:
         # close() clears it, so that nothing loaded later in this process inherits it.
         safe_load.set_trust(config.checkpoint.trust_checkpoint, warn=env.rank == 0)
         self.device = process_group.pick_device(env)
+        self.threads = choose_threads(env)
+        """The CPU threads this rank runs with, and why (:mod:`rapidformer.threads`)."""
         self._owns_process_group = process_group.init_process_group(
             env, self.device, config.parallel.distributed_timeout_minutes
         )
@@ -197,7 +202,7 @@ class RapidformerEngine:
         state = self._require_state()
         if self.is_main_process:
             assert self.mfu is not None
-            log_plan(state, self.config, self.device, self.mesh, self.peak, self.mfu)
+            log_plan(state, self.config, self.device, self.mesh, self.peak, self.mfu, self.threads)
 
     # ---- one optimizer step, counted before it is computed --------------------------------
     def run_step(self, batches: Sequence[Any], step: StepFunctions) -> StepResult:

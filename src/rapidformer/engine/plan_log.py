@@ -14,6 +14,7 @@ from rapidformer.hardware import Peak, device_peak, precision_support
 from rapidformer.logging import log
 from rapidformer.memory import describe
 from rapidformer.state import PlanStep, TrainState
+from rapidformer.threads import ThreadChoice
 
 
 def measure_peak(device: torch.device, config: RapidformerConfig) -> Peak:
@@ -70,6 +71,7 @@ def log_plan(
     mesh: ParallelMesh,
     peak: Peak,
     meter: MfuMeter,
+    threads: ThreadChoice,
 ) -> None:
     """Log the plan (call it on rank 0: only rank 0 speaks)."""
     lines = [f"  {i}. {step}" for i, step in enumerate(state.plan, 1)] or ["  (none)"]
@@ -89,8 +91,9 @@ def log_plan(
     per_token = meter.per_token
     recompute = f", {per_token.hardware:.3g} with the recomputed forward" if meter.recompute else ""
     log.info(
-        "hardware: %s; %s peak %s (%s); model FLOPs per token %.3g%s (%s)",
+        "hardware: %s; %s; %s peak %s (%s); model FLOPs per token %.3g%s (%s)",
         support,
+        threads,
         precision,
         peak_text,
         peak.source,

@@ -116,12 +116,21 @@ def load_model(
     ``.bin`` files are scanned before transformers unpickles them
     (:func:`rapidformer.safe_load.hugging_face_weights`); its own Python code runs only
     with ``trust_remote_code`` (--trust-remote-code)."""
+    return load_model_reporting(name_or_path, auto_class, trust_remote_code, **kwargs)[0]
+
+
+def load_model_reporting(
+    name_or_path: str, auto_class: str, trust_remote_code: bool = False, **kwargs: Any
+) -> tuple[nn.Module, str]:
+    """:func:`load_model`, and what the load did beyond copying weights in one line (the new
+    tensors it initialised, e.g. a task's head, and the checkpoint's tensors it left unused):
+    transformers' own LOAD REPORT table, in a line of the run's log."""
     transformers = importlib.import_module("transformers")
     local = _check_local(name_or_path)
-    kwargs = {**hugging_face_weights(name_or_path), **kwargs}
+    kwargs = {**hugging_face_weights(name_or_path), **kwargs, "output_loading_info": True}
     try:
         _probe_hub(local)
-        model: nn.Module = getattr(transformers, auto_class).from_pretrained(
+        model, info = getattr(transformers, auto_class).from_pretrained(
             name_or_path, trust_remote_code=trust_remote_code, **kwargs
         )
     except OSError as exc:
@@ -141,7 +150,23 @@ def load_model(
             f"cannot be loaded as {auto_class} ({str(exc).splitlines()[0]})",
             "pick a model whose architecture supports the task",
         ) from exc
-    return model
+    return model, loading_summary(model, info)
+
+
+def loading_summary(model: nn.Module, info: dict[str, Any]) -> str:
+    """``new: classifier.weight (4 x 64), classifier.bias (4), initialised; not used: 5
+    tensors (cls.predictions.*)``, or "" when the checkpoint matched the model."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    missing = sorted(info.get("missing_keys") or ())
+    unused = sorted(info.get("unexpected_keys") or ())
+    parts = []
+    if missing:
+        listed = [f"{name} ({' x '.join(map(str, shapes.get(name, ())))})" for name in missing]
+        parts.append("new: " + ", ".join(listed) + ", initialised")
+    if unused:
+        prefixes = sorted({".".join(name.split(".")[:2]) + ".*" for name in unused})
+        parts.append(f"not used: {len(unused)} tensors ({', '.join(prefixes)})")
+    return "; ".join(parts)
 
 
 def tp_plan_of(name_or_path: str, trust_remote_code: bool = False) -> Any:

@@ -38,6 +38,7 @@ from torch import nn
 
 from rapidformer.accel.liger import family_violation
 from rapidformer.checkpoint import gathered_model_state
+from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.errors import Violation
@@ -45,7 +46,7 @@ from rapidformer.logging import log
 from rapidformer.models.hf import (
     PRETRAINED_FLAG,
     check_vocabulary,
-    load_model,
+    load_model_reporting,
     load_tokenizer,
     save_model,
 )
@@ -70,6 +71,17 @@ class Finetuner(Trainer):
     doc_stride: ClassVar[int | None] = None
     """Question answering: tokens shared by consecutive windows of a long context
     (default ``seq_length // 4``)."""
+
+    @classmethod
+    def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
+        """The task's recipe (:class:`~rapidformer.templates.tasks.base.Recipe`: the Hugging
+        Face examples' learning rate, epochs and warmup) for what the flags leave open."""
+        open_ = _open_choices(config)
+        task = cls.task_name or config.training.task
+        if not open_ or task is None or canonical_task(task) not in TASKS:
+            return config
+        recipe = task_for(task).recipe.flags()
+        return config.replace(**{name: recipe[name] for name in open_})
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
@@ -135,10 +147,23 @@ class Finetuner(Trainer):
     def __init__(
         self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
     ) -> None:
-        super().__init__(config, argv)
+        given = config if config is not None else parse_args(argv)
+        super().__init__(given)
         task = self.task_name or self.config.training.task
         assert task is not None
         self.task_key = canonical_task(task)
+        defaulted = _open_choices(given)
+        if defaulted and self.engine.is_main_process:
+            recipe = task_for(task).recipe
+            chosen = ", ".join(
+                f"--{name.replace('_', '-')} {recipe.flags()[name]:g}" for name in defaulted
+            )
+            log.info(
+                "fine-tuning defaults for %s (%s): %s; a flag given overrides each",
+                self.task_key,
+                recipe.source,
+                chosen,
+            )
         """The task this run fine-tunes for (``casual_lm`` spelled ``causal_lm``)."""
         self.seq_length = self.config.model.seq_length or DEFAULT_SEQ_LENGTH
         self._tokenizer: PreTrainedTokenizerBase | None = None
@@ -169,7 +194,9 @@ class Finetuner(Trainer):
             # reads only its shards; the engine's tensor-parallel step then reports it.
             kwargs.update(tp_plan="auto", device_mesh=tp_mesh)
         trust = self.config.model.trust_remote_code
-        model = load_model(path, self.task.auto_class, trust_remote_code=trust, **kwargs)
+        model, loaded = load_model_reporting(
+            path, self.task.auto_class, trust_remote_code=trust, **kwargs
+        )
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "output_router_logits"):
             # An MoE family (Mixtral, Qwen-MoE ...): have it return its load-balancing loss,
@@ -182,7 +209,11 @@ class Finetuner(Trainer):
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
-                "model: %s from %s, %s parameters", type(model).__name__, path, f"{parameters:,}"
+                "model: %s from %s, %s parameters%s",
+                type(model).__name__,
+                path,
+                f"{parameters:,}",
+                f"; {loaded}" if loaded else "",
             )
         return model
 
@@ -288,3 +319,15 @@ class Finetuner(Trainer):
             save_model(model, self.tokenizer, out_dir, full)
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns
+
+
+def _open_choices(config: RapidformerConfig) -> list[str]:
+    """The recipe's fields the flags leave open: the learning rate, the length (neither
+    --train-iters nor --epochs) and the warmup (neither warmup flag)."""
+    training = config.training
+    open_ = ["lr"] if training.lr is None else []
+    if training.train_iters is None and training.epochs is None:
+        open_.append("epochs")
+    if training.lr_warmup_fraction is None and not training.lr_warmup_iters:
+        open_.append("lr_warmup_fraction")
+    return open_

@@ -63,8 +63,9 @@ class Trainer(ABC):
     ) -> None:
         report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
         _check_step_hooks(type(self))
-        self.config = config if config is not None else parse_args(argv)
-        set_debug(self.config.logging.debug)
+        parsed = config if config is not None else parse_args(argv)
+        set_debug(parsed.logging.debug)
+        self.config = type(self).config_defaults(parsed)
         # A subclass that builds its own optimizer does not need --lr.
         builds_optimizer = type(self).build_optimizer is Trainer.build_optimizer
         self.engine = RapidformerEngine(
@@ -78,6 +79,12 @@ class Trainer(ABC):
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
         self._compiled_loss: Callable[..., torch.Tensor] | None = None
         self._first_output_checked = False
+
+    @classmethod
+    def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
+        """The config with this template's defaults where the flags leave a choice open (the
+        Finetuner's per-task learning rate and length); flags given always win."""
+        return config
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:

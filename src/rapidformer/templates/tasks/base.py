@@ -25,6 +25,7 @@ teacher forcing (the model shifts the labels right to build the decoder input).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -82,12 +83,29 @@ def column(rows: HFDataset, candidates: Sequence[str], split: str, what: str) ->
     )
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A task's fine-tuning defaults where the flags leave them open: the common practice of
+    the Hugging Face examples for a pretrained model of base size."""
+
+    lr: float
+    epochs: int
+    warmup_fraction: float
+    source: str
+    """Whose practice it is (for the log line)."""
+
+    def flags(self) -> dict[str, object]:
+        return {"lr": self.lr, "epochs": self.epochs, "lr_warmup_fraction": self.warmup_fraction}
+
+
 class Task:
     """What every task shares: the tokenizer, the padding rules and the step's plumbing."""
 
     name: ClassVar[str]
     auto_class: ClassVar[str]
     """The ``transformers`` Auto class that loads a model for this task."""
+    recipe: ClassVar[Recipe]
+    """Its defaults for --lr, --epochs and --lr-warmup-fraction (flags given win)."""
     sequence_keys: ClassVar[dict[str, int | None]] = {
         "input_ids": None,  # None: the tokenizer's pad id
         "attention_mask": 0,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from rapidformer.distributed.process_group import Group, sum_over_ranks
-from rapidformer.templates.tasks.base import Features, Task, class_names, column
+from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -21,6 +21,7 @@ class SequenceClassification(Task):
 
     name = "sequence_classification"
     auto_class = "AutoModelForSequenceClassification"
+    recipe = Recipe(2e-5, 3, 0.1, "transformers' run_glue.py, with BERT's 10% warmup")
     TEXT = ("text", "sentence", "sentence1", "question", "premise")
     PAIR = ("text_pair", "sentence2", "hypothesis")
 

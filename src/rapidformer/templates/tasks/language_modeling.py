@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
 from rapidformer.templates.batches import IGNORE_INDEX
-from rapidformer.templates.tasks.base import Features, Task, column, encoded_rows, pad_rows
+from rapidformer.templates.tasks.base import Features, Recipe, Task, column, encoded_rows, pad_rows
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -86,6 +86,7 @@ class MaskedLM(LanguageModeling):
 
     name = "masked_lm"
     auto_class = "AutoModelForMaskedLM"
+    recipe = Recipe(5e-5, 3, 0.0, "transformers' run_mlm.py")
     probability = 0.15
 
     def prepare(self, rows: HFDataset, split: str) -> Features:
@@ -133,6 +134,7 @@ class CausalLM(LanguageModeling):
 
     name = "causal_lm"
     auto_class = "AutoModelForCausalLM"
+    recipe = Recipe(5e-5, 3, 0.0, "transformers' run_clm.py")
 
     def _encode(self, texts: list[str], pairs: list[str] | None = None) -> dict[str, list[Any]]:
         eos = self.tokenizer.eos_token
@@ -163,6 +165,7 @@ class Seq2SeqLM(LanguageModeling):
 
     name = "seq2seq_lm"
     auto_class = "AutoModelForSeq2SeqLM"
+    recipe = Recipe(5e-5, 3, 0.0, "transformers' run_summarization.py")
     SOURCE = ("source", "input", "document", "text", "src")
     TARGET = ("target", "output", "summary", "label", "tgt")
 

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from rapidformer.distributed.process_group import Group, all_reduce_sum
 from rapidformer.errors import DataError
-from rapidformer.templates.tasks.base import Features, Task, column
+from rapidformer.templates.tasks.base import Features, Recipe, Task, column
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -28,6 +28,7 @@ class QuestionAnswering(Task):
 
     name = "question_answering"
     auto_class = "AutoModelForQuestionAnswering"
+    recipe = Recipe(3e-5, 2, 0.1, "transformers' run_qa.py (SQuAD), with BERT's 10% warmup")
     sequence_keys: ClassVar[dict[str, int | None]] = {
         **Task.sequence_keys,
         "offset_start": -1,

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
 from rapidformer.templates.batches import IGNORE_INDEX
-from rapidformer.templates.tasks.base import Features, Task, class_names, column
+from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -24,6 +24,7 @@ class TokenClassification(Task):
 
     name = "token_classification"
     auto_class = "AutoModelForTokenClassification"
+    recipe = Recipe(5e-5, 3, 0.1, "transformers' run_ner.py, with BERT's 10% warmup")
     sequence_keys: ClassVar[dict[str, int | None]] = {**Task.sequence_keys, "labels": IGNORE_INDEX}
 
     def prepare(self, rows: HFDataset, split: str) -> Features:
