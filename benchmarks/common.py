@@ -122,6 +122,7 @@ def write_results(name: str, result: dict[str, Any], markdown: list[str]) -> Non
     chart = draw(name, json.loads(json_path.read_text()))  # the JSON as the docs will read it
     if chart is not None:
         title, *rest = markdown
-        markdown = [title, "", f"![{name} chart]({chart})", *rest]
+        # Shown at the column's width; a click opens it at full size.
+        markdown = [title, "", f"[![{name} chart]({chart})]({chart})", *rest]
     md_path.write_text("\n".join([*markdown, "", *footer(result)]))
     print(f"wrote {json_path.relative_to(ROOT)} and {md_path.relative_to(ROOT)}")

@@ -80,3 +80,18 @@ def test_rapidformer_imports_no_optional_engine_unless_switched_on(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_making_a_tiny_model_offline_prints_nothing(tmp_path: Path) -> None:
+    """The docs' offline recipe starts with ``tiny_model`` in the user's own script, before
+    any run: the libraries it loads stay as quiet there as in a run."""
+    code = (
+        "from rapidformer.testing.finetune import tiny_model\n"
+        f"tiny_model('bert', {str(tmp_path / 'bert')!r}, hidden=64)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=ENV
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout + done.stderr == ""
+    assert (tmp_path / "bert" / "config.json").is_file()

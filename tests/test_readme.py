@@ -45,13 +45,20 @@ def my_trainer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_the_readme_template_trains_once(my_trainer: Path, launch: list[str]) -> None:
+    save = f"run-{len(launch)}"  # a directory per way in: the other's would be resumed
     done = subprocess.run(
-        [sys.executable, *launch, str(my_trainer), *SHORT],
+        [sys.executable, *launch, str(my_trainer), *SHORT, "--save", save],
         capture_output=True, text=True, timeout=300, env=ENV, cwd=my_trainer.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert _runs(done.stderr) == 1
     assert "train step 3/3" in done.stderr  # the command line's --train-iters, not a default
+    # The run ends by saying where it saved, and it did save there.
+    checkpoint = f"{save}/iter_0000003"
+    assert f"saved: checkpoint {checkpoint} " in done.stderr, done.stderr[-2000:]
+    assert f"metrics {save}/metrics.jsonl" in done.stderr
+    assert (my_trainer.parent / checkpoint).is_dir()
+    assert (my_trainer.parent / save / "metrics.jsonl").is_file()
 
 
 def test_the_readme_hand_written_loops_run(tmp_path: Path) -> None:

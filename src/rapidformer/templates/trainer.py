@@ -19,6 +19,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -271,6 +272,15 @@ class Trainer(ABC):
                     "Rerun the same command to resume from it"
                 )
         engine.judge_skipped_steps()  # the steps since the last --log-interval
+        save = cfg.checkpoint.save
+        if path is not None and save and engine.is_main_process:
+            log.info(
+                "saved: checkpoint %s (the same command resumes from it), metrics %s, "
+                "TensorBoard events %s",
+                path,
+                Path(save) / "metrics.jsonl",
+                Path(save) / "tensorboard",
+            )
         if result is None:
             return metrics
         return {"train_loss": result.loss, **evaluation}

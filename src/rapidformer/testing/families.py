@@ -238,6 +238,10 @@ def tiny_model(
 ) -> Path:
     """Save a random ``kind`` model (one of :data:`MODEL_KINDS`) and its tokenizer to
     ``out_dir``; returns ``out_dir``."""
+    from rapidformer.quiet import quiet_third_parties
+
+    # A user's data script calls this before anything else: as quiet as a run.
+    quiet_third_parties()
     import torch
     import transformers
 
