@@ -53,8 +53,14 @@ def test_the_first_30_lines_of_a_fine_tuning_run_are_rapidformers_own(
     assert "not used: 5 tensors (cls.predictions.*)" in model_line, model_line
 
 
-def test_verbose_shows_what_the_libraries_print(finetune_flags: list[str], tmp_path: Path) -> None:
-    flags = [*finetune_flags[:-1], str(tmp_path / "run"), "--verbose"]
+@pytest.mark.parametrize("where", ["flag", "config file"])
+def test_verbose_shows_what_the_libraries_print(
+    finetune_flags: list[str], tmp_path: Path, where: str
+) -> None:
+    config = tmp_path / "verbose.yaml"
+    config.write_text("verbose: true\n")
+    verbose = ["--verbose"] if where == "flag" else ["--config", str(config)]
+    flags = [*finetune_flags[:-1], str(tmp_path / "run"), *verbose]
     text = "\n".join(_rapidformer(*flags))
     assert "LOAD REPORT" in text  # transformers' own table, as it prints it
 

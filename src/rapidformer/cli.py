@@ -70,6 +70,10 @@ def as_the_program(script: str, args: Sequence[str]) -> Iterator[type[Trainer] |
     spec = importlib.util.spec_from_file_location("__main__", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # As python FILE leaves it: a spawned process (a data-loader worker under spawn or
+    # forkserver) then runs FILE again as __mp_main__ to find its classes; with a spec
+    # named __main__ it would skip that and fail to unpickle them.
+    module.__spec__ = None
     saved = sys.modules["__main__"], sys.argv, list(sys.path)
     sys.modules["__main__"] = module
     sys.argv = [str(path), *_without_user_script(args)]
@@ -174,13 +178,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     setup_console_logging()
     args = list(sys.argv[1:] if argv is None else argv)
-    quiet_third_parties(verbose="--verbose" in args)  # before anything loads them
     debug = "--debug" in args or os.environ.get("RAPIDFORMER_DEBUG", "0") not in ("", "0")
     try:
         nproc, args = split_launch(args)
-        config = parse_args(args)
+        config = parse_args(args)  # loads no third party: quiet can still be chosen
+        quiet_third_parties(config.logging.verbose)
         if config.planning.dry_run:
-            return _dry_run(config)
+            return _dry_run(config, nproc)
         if nproc is not None:
             return _launch(config, nproc, args)
         script = config.training.user_script
@@ -190,9 +194,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with as_the_program(script, args) as script_class:
             if script_class is not None:  # else the script trained itself, as the program
                 _train(checked_trainer_class(config, script_class)(config))
+    except SystemExit as ended:  # the script's own sys.exit(): its code, as python FILE
+        return _exit_code(ended)
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 (the command reports all)
         return report(exc, debug)
     return 0
+
+
+def _exit_code(ended: SystemExit) -> int:
+    """What ``python FILE`` exits with after ``sys.exit(code)``: None is 0, a number itself,
+    anything else is printed and is 1."""
+    if ended.code is None or isinstance(ended.code, int):
+        return ended.code or 0
+    print(ended.code, file=sys.stderr)
+    return 1
 
 
 def _launch(config: RapidformerConfig, nproc: int, args: Sequence[str]) -> int:
@@ -204,7 +219,7 @@ def _launch(config: RapidformerConfig, nproc: int, args: Sequence[str]) -> int:
         checked_trainer_class(config, world_size=nproc)
     elif not Path(script).is_file():
         raise ConfigError.single("--user-script", script, "the file must exist", "check the path")
-    return run_local_workers(nproc, args)
+    return run_local_workers(nproc, args, saves=config.checkpoint.save is not None)
 
 
 def _train(trainer: Trainer) -> None:
@@ -222,9 +237,13 @@ def _train(trainer: Trainer) -> None:
         trainer.engine.close()
 
 
-def _dry_run(config: RapidformerConfig) -> int:
-    """Print the dry run's report (rank 0 only under torchrun: every rank computes the same)."""
+def _dry_run(config: RapidformerConfig, nproc: int | None = None) -> int:
+    """Print the dry run's report (rank 0 only under torchrun: every rank computes the same);
+    ``--nproc-per-node N`` plans N ranks where ``--dry-run-world-size`` does not say."""
     from rapidformer.dryrun.command import REPORT_FILE, run_dry_run
+
+    if nproc is not None and config.planning.dry_run_world_size is None:
+        config = config.replace(dry_run_world_size=nproc)
 
     report = run_dry_run(config)
     if LaunchEnv.read().rank == 0:

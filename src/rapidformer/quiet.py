@@ -11,10 +11,13 @@ A run's output is the plan and the progress. Around them, on every start:
   the checkpoint's tensors the model did not use and the ones it initialised (the Finetuner
   says that in one line of its own: ``new: classifier.weight (4 x 64) ...``).
 
-:func:`quiet_third_parties` filters those, and only those (a library's errors still show),
-before the libraries load; ``--verbose`` leaves everything as the libraries print it. rapidformer
-itself imports none of its optional engines (DeepSpeed, ONNX Runtime, torchao, Liger) unless
-their switch is on.
+:func:`quiet_third_parties` filters those before the libraries load: the torchao, pytree and
+DeepSpeed notices by name; for transformers and the hub, everything below an error (its
+warnings too) and every progress bar (a download's too), through ``TRANSFORMERS_VERBOSITY`` and
+``HF_HUB_DISABLE_PROGRESS_BARS``, which the process's children inherit (a user's own setting of
+either wins). Errors always show; ``--verbose`` leaves everything as the libraries print it.
+rapidformer itself imports none of its optional engines (DeepSpeed, ONNX Runtime, torchao,
+Liger) unless their switch is on.
 """
 
 from __future__ import annotations

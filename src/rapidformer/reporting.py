@@ -3,7 +3,8 @@
 The ``rapidformer`` command, a user's script calling ``Trainer.fit()`` and every rank under
 torchrun end the same way: one line naming the input and the fix (no traceback unless
 ``--debug`` or ``RAPIDFORMER_DEBUG=1``) and the exit code of ``rapidformer.errors.EXIT_CODES``.
-A configuration error is the same on every rank, so only rank 0 prints it.
+A configuration error is the same on every rank of a machine, so only the machine's first rank
+prints it; a message from any rank but 0 names its rank.
 
 The command reports what it catches (:func:`report`). A script has no such frame around its
 ``fit()``: :func:`report_uncaught` installs a ``sys.excepthook`` (once, in a script, not in an
@@ -46,18 +47,23 @@ def report(exc: BaseException, debug: bool) -> int:
     ``debug``) and return the exit code."""
     if debug:
         traceback.print_exception(exc)
-    if isinstance(exc, ConfigError) and _rank() != 0:
-        return exit_code_of(exc)  # every rank has the same one: rank 0 says it
+    rank, local_rank = _ranks()
+    if isinstance(exc, ConfigError) and local_rank != 0:
+        # The ranks of one machine find the same one (the same flags, files and devices):
+        # its first rank says it. Another machine's first rank still does, so a file
+        # missing on one machine only is never silent.
+        return exit_code_of(exc)
+    name = "rapidformer" if rank == 0 else f"rapidformer (rank {rank})"
     if isinstance(exc, Preempted):
-        print(f"rapidformer: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
     elif isinstance(exc, RapidformerError):
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
     elif isinstance(exc, KeyboardInterrupt):
-        print("rapidformer: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     else:
         print(
-            f"rapidformer: error: {type(exc).__name__}: {exc} ({_origin(exc)})."
+            f"{name}: error: {type(exc).__name__}: {exc} ({_origin(exc)})."
             + ("" if debug else " Rerun with --debug (or RAPIDFORMER_DEBUG=1) for the traceback"),
             file=sys.stderr,
         )
@@ -85,11 +91,16 @@ def _users(filename: str) -> bool:
     return not any(root == path or root in path.parents for root in {_PACKAGE, *installed})
 
 
-def _rank() -> int:
+def _ranks() -> tuple[int, int]:
+    """(rank, local rank) as the launcher set them; (0, 0) outside a launched job, or where
+    its variables cannot be read (this runs while reporting another error)."""
+    from rapidformer.config.env import LaunchEnv
+
     try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+        env = LaunchEnv.read()
+    except (ValueError, KeyError):
+        return 0, 0
+    return env.rank, env.local_rank
 
 
 def report_uncaught() -> None:
@@ -107,6 +118,8 @@ def report_uncaught() -> None:
         code = report(exc, debug=debugging())
         # Python would exit 1 after this hook: leave with the command's code instead, once
         # the exit handlers ran (process groups, logs, workers) as a normal exit runs them.
+        # (atexit's runner is private but stable since Python 3.0; os._exit does not wait
+        # for the script's non-daemon threads, which an error that ended the run leaves.)
         atexit._run_exitfuncs()
         logging.shutdown()
         sys.stdout.flush()

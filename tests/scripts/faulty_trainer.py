@@ -2,9 +2,12 @@
 (``--user-script tests/scripts/faulty_trainer.py``).
 
 Each fault is an environment variable ``STEP:RANK`` (the optimizer step, counted from 1, and
-the rank of the whole job that suffers it); the fault fires when that rank starts that step:
+the rank of the whole job that suffers it, or several: ``0,1``); the fault fires when that
+rank starts that step:
 
 * ``FAULT_SIGNAL=STEP:RANK:NAME``: the rank sends itself the signal NAME (e.g. SIGTERM);
+* ``FAULT_SIGNAL_LAUNCHER=STEP:RANK:NAME``: the rank sends its launcher (the process that
+  started it: ``rapidformer --nproc-per-node``'s agent) the signal NAME;
 * ``FAULT_NAN=STEPS:RANK``: the rank's loss is NaN in the steps listed (``3`` or ``3-12``);
 * ``FAULT_KILL=STEP:RANK``: the rank dies by SIGKILL (only in torchrun's first attempt);
 * ``FAULT_STALL=STEP:RANK``: the rank stops taking part until it receives a stop signal;
@@ -56,7 +59,8 @@ def _fault(name: str, step: int, rank: int) -> list[str] | None:
     if not spec:
         return None
     steps, fault_rank, *rest = spec.split(":")
-    return rest if step in _steps(steps) and int(fault_rank) == rank else None
+    ranks = {int(r) for r in fault_rank.split(",")}
+    return rest if step in _steps(steps) and rank in ranks else None
 
 
 class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
@@ -85,6 +89,9 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
         fired = _fault("FAULT_SIGNAL", step, rank)
         if fired is not None:
             os.kill(os.getpid(), getattr(signal, fired[0]))
+        fired = _fault("FAULT_SIGNAL_LAUNCHER", step, rank)
+        if fired is not None:
+            os.kill(os.getppid(), getattr(signal, fired[0]))
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if _fault("FAULT_KILL", step, rank) is not None and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidformer import Finetuner, parse_args
+from rapidformer import Finetuner, RapidformerConfig, parse_args
 from rapidformer.cli import main
 from rapidformer.errors import ConfigError, DataError
 from rapidformer.testing.breadth import reload_gap
@@ -315,3 +315,39 @@ def test_each_task_fills_what_the_flags_leave_open_with_its_recipe(
     assert kept.lr_warmup_fraction == warmup
     no_warmup = parse_args(["--task", task, "--lr-warmup-iters", "7"])
     assert Finetuner.config_defaults(no_warmup).training.lr_warmup_fraction is None
+
+
+def test_the_first_line_says_what_the_defaults_chose(
+    models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The line says the values the configuration got, from the recipe or from a subclass's
+    own ``config_defaults``; ``--lr-warmup-fraction 0`` is a choice (no warmup), kept."""
+    data = task_dataset("sequence_classification", tmp_path / "data", train=16, validation=8)
+    base = [
+        *("--task", "sequence_classification", "--data-dir", str(data)),
+        *("--pretrained-model-name-or-path", str(models["bert"]), "--lr", "1e-3"),
+    ]
+
+    def said(trainer_class: type[Finetuner], *flags: str) -> list[str]:
+        capfd.readouterr()
+        trainer_class(parse_args([*base, *flags])).engine.close()
+        return [line for line in capfd.readouterr().err.splitlines() if "defaults for" in line]
+
+    assert said(Finetuner) == [
+        "[rapidformer] fine-tuning defaults for sequence_classification (transformers' "
+        "run_glue.py, with BERT's 10% warmup): --lr-warmup-fraction 0.1, --epochs 3; a flag "
+        "given overrides each"
+    ]
+
+    class OneEpoch(Finetuner):
+        @classmethod
+        def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
+            return config.replace(epochs=1) if config.training.epochs is None else config
+
+    assert said(OneEpoch, "--lr-warmup-fraction", "0") == [
+        "[rapidformer] fine-tuning defaults for sequence_classification "
+        "(OneEpoch.config_defaults): --epochs 1; a flag given overrides each"
+    ]
+    no_warmup = parse_args([*base, "--lr-warmup-fraction", "0"])
+    assert Finetuner.config_defaults(no_warmup).training.lr_warmup_fraction == 0
+    assert said(Finetuner, "--epochs", "2", "--lr-warmup-fraction", "0") == []

@@ -13,8 +13,9 @@ class LaunchEnv:
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int = 1
-    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    local_world_size: int | None = 1
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE, else Open MPI's
+    or Slurm's count); None where a job of several processes does not say."""
     omp_num_threads: int | None = None
     """The OMP_NUM_THREADS the process was started with (None: not set)."""
     restart_count: int | None = None
@@ -31,13 +32,25 @@ class LaunchEnv:
             rank=int(os.environ.get("RANK", "0")),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            local_world_size=_local_world_size(int(os.environ.get("WORLD_SIZE", "1"))),
             omp_num_threads=_int_or_none(os.environ.get("OMP_NUM_THREADS")),
             restart_count=int(restarts) if restarts is not None else None,
             agent_store=(
                 (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if agent else None
             ),
         )
+
+
+def _local_world_size(world_size: int) -> int | None:
+    own = _int_or_none(os.environ.get("LOCAL_WORLD_SIZE"))
+    if own is not None or world_size == 1:  # one process: alone, whatever the allocation
+        return own or 1
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        # Slurm writes "4(x2)" for 4 tasks on each of 2 nodes.
+        count = _int_or_none(os.environ.get(name, "").split("(")[0])
+        if count is not None:
+            return count
+    return None
 
 
 def _int_or_none(text: str | None) -> int | None:

@@ -152,19 +152,9 @@ class Finetuner(Trainer):
         task = self.task_name or self.config.training.task
         assert task is not None
         self.task_key = canonical_task(task)
-        defaulted = _open_choices(given)
-        if defaulted and self.engine.is_main_process:
-            recipe = task_for(task).recipe
-            chosen = ", ".join(
-                f"--{name.replace('_', '-')} {recipe.flags()[name]:g}" for name in defaulted
-            )
-            log.info(
-                "fine-tuning defaults for %s (%s): %s; a flag given overrides each",
-                self.task_key,
-                recipe.source,
-                chosen,
-            )
         """The task this run fine-tunes for (``casual_lm`` spelled ``causal_lm``)."""
+        if self.engine.is_main_process:
+            self._say_defaults(given)
         self.seq_length = self.config.model.seq_length or DEFAULT_SEQ_LENGTH
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._task: Task | None = None
@@ -173,6 +163,28 @@ class Finetuner(Trainer):
         self._router_aux_coef = 0.0
         self._aux_sum: torch.Tensor = torch.zeros(())
         self._aux_count = 0
+
+    def _say_defaults(self, given: RapidformerConfig) -> None:
+        """The run's first line: what ``config_defaults`` chose where the flags were silent
+        (read from the configuration, so a subclass's own choice is said as it is)."""
+        before, after = given.to_dict(), self.config.to_dict()
+        chosen = [
+            f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float)
+            else f"--{name.replace('_', '-')} {value}"
+            for section, fields in after.items()
+            for name, value in fields.items()
+            if before[section][name] != value
+        ]  # fmt: skip
+        if not chosen:
+            return
+        ours = type(self).config_defaults.__func__ is Finetuner.config_defaults.__func__  # type: ignore[attr-defined]
+        source = task_for(self.task_key).recipe.source if ours else (
+            f"{type(self).__name__}.config_defaults"
+        )  # fmt: skip
+        log.info(
+            "fine-tuning defaults for %s (%s): %s; a flag given overrides each",
+            self.task_key, source, ", ".join(chosen),
+        )  # fmt: skip
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_tokenizer(self) -> PreTrainedTokenizerBase:

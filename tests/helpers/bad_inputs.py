@@ -1,0 +1,441 @@
+"""The catalogue of bad inputs (tests/test_bad_inputs.py runs it through the command,
+tests/test_bad_inputs_elsewhere.py through a script's fit() and on two ranks): each case is a
+command line built on :class:`Inputs` (a preprocessed pretraining corpus, a tiny BERT,
+fine-tuning files, user scripts and a checkpoint, built once per test module by
+:func:`build_inputs`), the exit code it must end with and what its one message must say.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rapidformer.cli import main
+from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
+from rapidformer.testing.finetune import task_dataset, tiny_model
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS
+
+
+@dataclass(frozen=True)
+class Inputs:
+    root: Path
+    data: list[str]  # flags of a good pretraining corpus
+    prefix: Path  # its .bin/.idx prefix
+    bert: Path
+    finetune: Path  # a good sequence_classification data dir
+    checkpoint: Path  # a save dir of the deterministic trainer (2 steps)
+
+    def copy_of_corpus(self, name: str) -> Path:
+        """A copy of the corpus files under a new prefix (to damage)."""
+        prefix = self.root / name / self.prefix.name
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        for suffix in (".bin", ".idx"):
+            shutil.copy(self.prefix.with_suffix(suffix), prefix.with_suffix(suffix))
+        return prefix
+
+    def with_data_path(self, prefix: Path | str) -> list[str]:
+        flags = list(self.data)
+        flags[flags.index("--data-path") + 1] = str(prefix)
+        return flags
+
+    def finetune_dir(self, name: str, files: dict[str, str]) -> Path:
+        directory = self.root / name
+        directory.mkdir(parents=True, exist_ok=True)
+        for file, text in files.items():
+            (directory / file).write_text(text)
+        return directory
+
+    def script(self, name: str, text: str) -> Path:
+        path = self.root / f"{name}.py"
+        path.write_text(text)
+        return path
+
+
+def build_inputs(root: Path) -> Inputs:
+    """The good inputs the cases damage or combine, under ``root``."""
+    data = build_pretraining_data(root / "corpus", "GPT2BPETokenizer", synthetic_documents(60))
+    bert = tiny_model("bert", root / "bert")
+    finetune = task_dataset("sequence_classification", root / "cls", train=32, validation=16)
+    checkpoint = root / "checkpoint"
+    run = ["--user-script", str(DETERMINISTIC_SCRIPT), *TINY_FLAGS, "--train-iters", "2"]
+    assert main([*run, "--micro-batch-size", "4", "--save", str(checkpoint)]) == 0
+    return Inputs(root, data.flags(), Path(data.prefix), bert, finetune, checkpoint)
+
+
+PRETRAIN = ["--task", "pretraining", "--num-layers", "2", "--hidden-size", "32"]
+PRETRAIN += ["--num-attention-heads", "4", "--seq-length", "32", "--lr", "1e-3"]
+PRETRAIN += ["--train-iters", "2", "--micro-batch-size", "2"]
+WHITE_BOX = ["--user-script", str(DETERMINISTIC_SCRIPT), *TINY_FLAGS, "--train-iters", "2"]
+
+
+def _finetune(inputs: Inputs, data_dir: Path | str, *flags: str) -> list[str]:
+    return [
+        *("--task", "sequence_classification", "--pretrained-model-name-or-path"),
+        *(str(inputs.bert), "--data-dir", str(data_dir), "--seq-length", "32"),
+        *("--lr", "1e-3", "--train-iters", "2", "--micro-batch-size", "4", *flags),
+    ]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: Callable[[Inputs], list[str]]
+    message: tuple[str, ...]
+    """Substrings the error must contain: the input it names and the fix it offers."""
+    code: int = 2
+
+
+def _bin_truncated(inputs: Inputs) -> list[str]:
+    prefix = inputs.copy_of_corpus("truncated")
+    data = prefix.with_suffix(".bin").read_bytes()
+    prefix.with_suffix(".bin").write_bytes(data[: len(data) // 2])
+    return [*PRETRAIN, *inputs.with_data_path(prefix)]
+
+
+def _idx_wrong_dtype(inputs: Inputs) -> list[str]:
+    prefix = inputs.copy_of_corpus("dtype")
+    index = bytearray(prefix.with_suffix(".idx").read_bytes())
+    index[17] = 42  # the dtype code after the 9-byte magic and the version
+    prefix.with_suffix(".idx").write_bytes(bytes(index))
+    return [*PRETRAIN, *inputs.with_data_path(prefix)]
+
+
+def _missing(suffix: str) -> Callable[[Inputs], list[str]]:
+    def argv(inputs: Inputs) -> list[str]:
+        prefix = inputs.copy_of_corpus(f"missing{suffix}")
+        prefix.with_suffix(suffix).unlink()
+        return [*PRETRAIN, *inputs.with_data_path(prefix)]
+
+    return argv
+
+
+def _empty_corpus(inputs: Inputs) -> list[str]:
+    from rapidformer.data.preprocess import main as preprocess
+
+    corpus = inputs.root / "empty.jsonl"
+    corpus.write_text("")
+    flags = inputs.data
+    vocab = flags[flags.index("--vocab-file") + 1]
+    merges = flags[flags.index("--merge-file") + 1]
+    out = inputs.root / "empty" / "corpus"
+    out.parent.mkdir(exist_ok=True)
+    preprocess(
+        [
+            *("--input", str(corpus), "--output-prefix", str(out), "--tokenizer-type"),
+            *("GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod"),
+        ]
+    )
+    return [*PRETRAIN, *inputs.with_data_path(f"{out}_text_document")]
+
+
+def _ids_beyond_vocabulary(inputs: Inputs) -> list[str]:
+    prefix = inputs.copy_of_corpus("ids")
+    tokens = bytearray(prefix.with_suffix(".bin").read_bytes())
+    tokens[0:2] = struct.pack("<H", 60000)  # uint16 tokens: one id far beyond 400 entries
+    prefix.with_suffix(".bin").write_bytes(bytes(tokens))
+    return [*PRETRAIN, *inputs.with_data_path(prefix)]
+
+
+def _jsonl(rows: list[object]) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+GOOD_ROWS = [{"text": "a cat sat", "label": "sat"}, {"text": "a dog ran", "label": "ran"}] * 4
+
+
+def _finetune_files(name: str, train: str, validation: str | None = None) -> Callable:
+    def argv(inputs: Inputs) -> list[str]:
+        files = {"train.jsonl": train}
+        if validation is not None:
+            files["validation.jsonl"] = validation
+        return _finetune(inputs, inputs.finetune_dir(name, files))
+
+    return argv
+
+
+def _model_dir(name: str, edit: Callable[[Path], None]) -> Callable[[Inputs], list[str]]:
+    def argv(inputs: Inputs) -> list[str]:
+        model = inputs.root / name
+        shutil.copytree(inputs.bert, model, dirs_exist_ok=True)
+        edit(model)
+        flags = _finetune(inputs, inputs.finetune)
+        flags[flags.index("--pretrained-model-name-or-path") + 1] = str(model)
+        return flags
+
+    return argv
+
+
+def _config_edit(**changes: object) -> Callable[[Path], None]:
+    def edit(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        config.update(changes)
+        (model / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def user_script(name: str, body: str) -> Callable[[Inputs], list[str]]:
+    def argv(inputs: Inputs) -> list[str]:
+        script = inputs.script(name, body)
+        return ["--user-script", str(script), *TINY_FLAGS, "--train-iters", "2"]
+
+    return argv
+
+
+HEADER = f"""
+import torch
+from rapidformer.cli import load_trainer_class
+Base = load_trainer_class({str(DETERMINISTIC_SCRIPT)!r})
+"""
+
+
+def _config_file(name: str, text: str) -> Callable[[Inputs], list[str]]:
+    def argv(inputs: Inputs) -> list[str]:
+        path = inputs.root / name
+        path.write_text(text)
+        return [*WHITE_BOX, "--config", str(path)]
+
+    return argv
+
+
+def _flags(name: str, flags: list[str], message: tuple[str, ...]) -> Case:
+    """A case of the white-box command line plus ``flags``."""
+    return Case(name, lambda i: [*WHITE_BOX, *flags], message)
+
+
+def _missing_checkpoint_file(inputs: Inputs) -> list[str]:
+    damaged = inputs.root / "ckpt_missing"
+    shutil.copytree(inputs.checkpoint, damaged, dirs_exist_ok=True)
+    (damaged / "iter_0000002" / "optimizer.pt").unlink()
+    return [*WHITE_BOX, "--load", str(damaged / "iter_0000002")]
+
+
+CASES = [
+    # ---- flags and their combinations ---------------------------------------------------
+    _flags(
+        "unknown-flag", ["--learning-rate", "1"], ("--learning-rate", "--lr", "docs/parameters.md")
+    ),
+    _flags("not-a-number", ["--lr", "fast"], ("--lr", "'fast'", "float")),
+    _flags("bad-choice", ["--precision", "fp8"], ("--precision", "bf16")),
+    Case("no-task", lambda i: ["--train-iters", "1"], ("--task", "--user-script")),
+    Case(
+        "no-lr",
+        lambda i: [*[f for f in PRETRAIN if f not in ("--lr", "1e-3")], *i.data],
+        ("--lr", "pass --lr"),
+    ),
+    Case("no-length", lambda i: WHITE_BOX[:-2], ("--train-iters", "--epochs")),
+    _flags("iters-and-epochs", ["--epochs", "1"], ("--epochs", "only one")),
+    _flags(
+        "batch-not-multiple",
+        ["--micro-batch-size", "2", "--global-batch-size", "7"],
+        ("--global-batch-size", "use --global-batch-size 6"),
+    ),
+    _flags(
+        "tp-beyond-world",
+        ["--tensor-model-parallel-size", "2"],
+        ("--tensor-model-parallel-size", "divide"),
+    ),
+    _flags("warmup-fraction", ["--lr-warmup-fraction", "2"], ("--lr-warmup-fraction", "[0, 1]")),
+    _flags("min-lr-above-lr", ["--min-lr", "1"], ("--min-lr", "lower")),
+    _flags(
+        "heads-do-not-divide",
+        ["--hidden-size", "30"],
+        ("--hidden-size", "multiple of the head count"),
+    ),
+    _flags("save-keep-zero", ["--save-keep", "0"], ("--save-keep", "at least 1")),
+    _flags("skips-zero", ["--max-skipped-steps", "0"], ("--max-skipped-steps", "at least 1")),
+    _flags(
+        "timeout-zero",
+        ["--distributed-timeout-minutes", "0"],
+        ("--distributed-timeout-minutes", "> 0"),
+    ),
+    _flags(
+        "fp16-and-bf16",
+        ["--mixed-precision", "--precision", "bf16"],
+        ("--mixed-precision", "means --precision fp16, which contradicts --precision bf16"),
+    ),
+    _flags(
+        "moe-flag-without-experts",
+        ["--moe-router-topk", "1"],
+        ("--moe-router-topk", "--num-experts"),
+    ),
+    _flags("negative-clip", ["--clip-grad", "-1"], ("--clip-grad", ">= 0")),
+    # ---- YAML / JSON config files -------------------------------------------------------
+    Case(
+        "yaml-syntax",
+        _config_file("bad.yaml", "lr: 1e-3\n  seed: [\n"),
+        ("bad.yaml", "line", "fix its syntax"),
+    ),
+    Case(
+        "json-syntax",
+        _config_file("bad.json", '{"lr": 1e-3,,}'),
+        ("bad.json", "line 1 column", "fix its syntax"),
+    ),
+    Case(
+        "config-unknown-key",
+        _config_file("unknown.yaml", "learning_rate: 0.1\n"),
+        ("learning_rate",),
+    ),
+    Case("config-wrong-type", _config_file("type.yaml", "seed: many\n"), ("--seed", "many")),
+    Case(
+        "config-missing",
+        lambda i: [*WHITE_BOX, "--config", str(i.root / "none.yaml")],
+        ("none.yaml", "must exist"),
+    ),
+    Case(
+        "config-not-a-mapping", _config_file("list.yaml", "- lr\n- 1\n"), ("list.yaml", "mapping")
+    ),
+    # ---- pretraining data ---------------------------------------------------------------
+    Case("missing-bin", _missing(".bin"), (".bin",)),
+    Case("missing-idx", _missing(".idx"), (".idx",)),
+    Case("truncated-bin", _bin_truncated, ("truncated", ".bin", "Fix: copy")),
+    Case("wrong-dtype", _idx_wrong_dtype, (".idx", "dtype code 42", "Fix: preprocess")),
+    Case("empty-corpus", _empty_corpus, ("empty/corpus_text_document", "no documents")),
+    Case(
+        "ids-beyond-vocabulary",
+        _ids_beyond_vocabulary,
+        ("ids", ".bin", "60000", "vocabulary", "--vocab-file"),
+    ),
+    Case(
+        "no-data-path",
+        lambda i: [*PRETRAIN, "--tokenizer-type", "GPT2BPETokenizer"],
+        ("--data-path",),
+    ),
+    Case(
+        "missing-vocab",
+        lambda i: [
+            *PRETRAIN,
+            *i.data[:-4],
+            "--vocab-file",
+            str(i.root / "none.json"),
+            "--merge-file",
+            i.data[-1],
+        ],
+        ("none.json", "Fix: check --vocab-file"),
+    ),
+    # ---- fine-tuning data ---------------------------------------------------------------
+    Case(
+        "malformed-jsonl",
+        _finetune_files("malformed", _jsonl([*GOOD_ROWS[:2], '{"text": "x",', *GOOD_ROWS[2:]])),
+        ("train.jsonl", "line 3"),
+    ),
+    Case(
+        "missing-label-column",
+        _finetune_files("nolabel", _jsonl([{"text": "a"}] * 8)),
+        ("label column", "Fix: rename the column to 'label'"),
+    ),
+    Case(
+        "missing-text-column",
+        _finetune_files("notext", _jsonl([{"label": "a"}] * 8)),
+        ("text column", "Fix: rename the column to 'text'"),
+    ),
+    Case(
+        "label-outside-set",
+        _finetune_files(
+            "labels", _jsonl(GOOD_ROWS), _jsonl([{"text": "a bird flew", "label": "flew"}])
+        ),
+        ("flew", "validation", "Fix: add"),
+    ),
+    Case("empty-split", _finetune_files("empty", ""), ("train",)),
+    Case(
+        "missing-data-dir",
+        lambda i: _finetune(i, i.root / "nowhere"),
+        ("--data-dir", "nowhere", "Fix"),
+    ),
+    # ---- models -------------------------------------------------------------------------
+    Case(
+        "missing-config-json",
+        _model_dir("noconfig", lambda m: (m / "config.json").unlink()),
+        ("config.json", "noconfig"),
+    ),
+    Case(
+        "unknown-architecture",
+        _model_dir("unknown", _config_edit(model_type="nosuchmodel")),
+        ("--pretrained-model-name-or-path", "nosuchmodel"),
+    ),
+    Case(
+        "vocabulary-mismatch",
+        _model_dir("vocab", _config_edit(vocab_size=50)),
+        ("vocab", "50", "tokenizer"),
+    ),
+    Case(
+        "model-dir-missing",
+        lambda i: (
+            [*_finetune(i, i.finetune)[:3], str(i.root / "nomodel"), *_finetune(i, i.finetune)[4:]]
+        ),
+        ("--pretrained-model-name-or-path", "nomodel", "Fix: check the path"),
+    ),
+    # ---- user scripts -------------------------------------------------------------------
+    Case(
+        "script-missing",
+        lambda i: ["--user-script", str(i.root / "none.py"), *TINY_FLAGS],
+        ("--user-script", "none.py"),
+    ),
+    Case("no-trainer-class", user_script("none", "x = 1\n"), ("none.py", "exactly one")),
+    Case(
+        "two-trainer-classes",
+        user_script("two", HEADER + "class A(Base): pass\nclass B(Base): pass\n"),
+        ("two.py", "found: A, B"),
+    ),
+    Case(
+        "hook-raises",
+        user_script(
+            "raises",
+            HEADER + "class A(Base):\n"
+            "    def build_data(self):\n        raise ValueError('no such table')\n",
+        ),
+        ("ValueError: no such table", "build_data", "raises.py:7"),
+        code=1,
+    ),
+    Case(
+        "syntax-error",
+        user_script("syntax", "def broken(:\n"),
+        ("SyntaxError", "syntax.py, line 1"),
+        code=1,
+    ),
+    Case(
+        "non-scalar-loss",
+        user_script(
+            "vector",
+            HEADER + "class A(Base):\n"
+            "    def train_step(self, batch):\n        return super().train_step(batch) * "
+            "torch.ones(3)\n",
+        ),
+        ("train_step", "scalar"),
+    ),
+    Case(
+        "loss-without-gradient",
+        user_script(
+            "detached",
+            HEADER + "class A(Base):\n"
+            "    def train_step(self, batch):\n        return super().train_step(batch).detach()\n",
+        ),
+        ("train_step", "gradient"),
+    ),
+    Case(
+        "fp8-without-a-float8-gpu",
+        lambda i: [*WHITE_BOX, "--precision", "fp8"],
+        ("--precision", "fp8", "compute capability 8.9", "--precision bf16"),
+    ),
+    # ---- checkpoints --------------------------------------------------------------------
+    Case(
+        "checkpoint-other-shape",
+        lambda i: [*WHITE_BOX, "--hidden-size", "64", "--load", str(i.checkpoint)],
+        ("iter_0000002", "size mismatch", "--hidden-size 32 there, 64 now"),
+    ),
+    Case(
+        "checkpoint-other-task",
+        lambda i: [*_finetune(i, i.finetune), "--load", str(i.checkpoint)],
+        ("iter_0000002", "--task None there, 'sequence_classification' now"),
+    ),
+    Case("checkpoint-missing-file", _missing_checkpoint_file, ("optimizer.pt", "missing")),
+    Case(
+        "checkpoint-none-there",
+        lambda i: [*WHITE_BOX, "--load", str(i.root)],
+        ("--load", "no checkpoint", "Fix: pass the --save directory"),
+    ),
+]

@@ -1,0 +1,129 @@
+"""The catalogue of bad inputs (tests/helpers/bad_inputs.py) beyond the command: through a
+user's script that calls ``fit()`` (the same message and exit code, no traceback), and on two
+ranks (a configuration error is one message and exit 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from rapidformer.checkpoint import find_checkpoint
+from rapidformer.cli import main
+from tests.helpers.bad_inputs import CASES, WHITE_BOX, Case, Inputs, build_inputs
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Inputs:
+    return build_inputs(tmp_path_factory.mktemp("bad_inputs"))
+
+
+FIT_DRIVER = DETERMINISTIC_SCRIPT.with_name("fit_driver.py")
+COMMAND_ONLY = {"no-task"}
+"""Cases about the command's own choice of template: a script chose its class itself."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(command: list[str], timeout: float = 300) -> tuple[int, str]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return done.returncode, done.stderr
+
+
+def _failures(
+    case: Case, code: int, error: str, save: Path, said: tuple[str, ...] | None = None
+) -> list[str]:
+    """What the run did that the case forbids (empty: one message, the case's exit code, the
+    input named (``said``: the case's message), no traceback, no checkpoint)."""
+    problems = [f"exit {code}, not {case.code}"] if code != case.code else []
+    said = case.message if said is None else said
+    problems += [f"{part!r} not said" for part in said if part not in error]
+    problems += ["a traceback"] if "Traceback" in error else []
+    problems += ["a checkpoint left"] if save.exists() and find_checkpoint(save) else []
+    if error.count("rapidformer: error") > 1:
+        problems.append("the error said more than once")
+    return [f"{case.id}: {p}\n{error[-1500:]}" for p in problems]
+
+
+def _each(jobs: list[Callable[[], list[str]]]) -> list[str]:
+    """Run the jobs two at a time (each is one process, or a launcher and its workers)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [problem for problems in pool.map(lambda job: job(), jobs) for problem in problems]
+
+
+@pytest.mark.slow
+def test_every_bad_input_says_the_same_through_a_scripts_fit(
+    inputs: Inputs, tmp_path: Path
+) -> None:
+    """A user's script whose fit() (or the flags, the script's Trainer) fails: the same one
+    message and exit code as the command, no traceback (rapidformer.reporting's hook)."""
+
+    def job(index: int, case: Case) -> Callable[[], list[str]]:
+        def run() -> list[str]:
+            save = tmp_path / f"save{index}"
+            argv = [*case.argv(inputs), "--save", str(save)]
+            code, error = _run([sys.executable, str(FIT_DRIVER), *argv])
+            return _failures(case, code, error, save)
+
+        return run
+
+    cases = [c for c in CASES if c.id not in COMMAND_ONLY]
+    problems = _each([job(i, case) for i, case in enumerate(cases)])
+    assert not problems, "\n\n".join(problems)
+
+
+CONFIG_ERROR = "rapidformer: error: invalid rapidformer configuration"
+
+
+@pytest.mark.slow
+def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
+    inputs: Inputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rapidformer --nproc-per-node 2``: the flags are checked once before any worker
+    starts (or, found by the workers, said by rank 0 only) and the launcher adds nothing, so
+    a configuration error is one message and exit 2 (docs/cli.md: torchrun itself adds its
+    own traceback)."""
+    config_cases = []
+    for case in CASES:
+        capsys.readouterr()
+        with contextlib.suppress(SystemExit):  # argparse's own errors are not config errors
+            main([*case.argv(inputs), "--save", str(tmp_path / "probe")])
+        if CONFIG_ERROR in capsys.readouterr().err:
+            config_cases.append(case)
+    assert len(config_cases) >= 10, [c.id for c in config_cases]
+
+    def job(index: int, case: Case) -> Callable[[], list[str]]:
+        def run() -> list[str]:
+            save = tmp_path / f"save{index}"
+            argv = [*case.argv(inputs), "--save", str(save)]
+            launch = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2"]
+            code, error = _run([*launch, *argv])
+            # On two ranks the fix can differ (a batch size per data-parallel rank): the
+            # error must be the configuration error naming the case's input.
+            return _failures(case, code, error, save, (CONFIG_ERROR, case.message[0]))
+
+        return run
+
+    problems = _each([job(i, case) for i, case in enumerate(config_cases)])
+    assert not problems, "\n\n".join(problems)
+
+
+@pytest.mark.distributed
+def test_under_torchrun_a_configuration_error_is_said_by_rank_0_only(tmp_path: Path) -> None:
+    """Every rank finds the same configuration error; only rank 0 says it and every rank
+    exits 2 (torchrun then prints its own failure report and exits 1, as docs/cli.md says)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    code, error = _run(
+        [*torchrun, "--nproc_per_node", "2", "-m", "rapidformer", *WHITE_BOX,
+         "--global-batch-size", "3"]
+    )  # fmt: skip
+    assert code != 0
+    assert error.count(CONFIG_ERROR) == 1, error[-3000:]
+    assert "--global-batch-size=3" in error
+    assert "exitcode  : 2" in error or "exitcode: 2" in error, error[-3000:]
