@@ -40,7 +40,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests examples benchmarks
 
 test: $(STAMP) lint docs-site
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -45,7 +45,10 @@ def test_a_count_chosen_already_is_kept(torch_default: None) -> None:
     assert choice.threads == 1 and "torch.set_num_threads" in choice.why
 
 
-def test_the_plan_states_the_threads(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_plan_states_the_threads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # CI may set it: then it would win
     assert (
         main(["--user-script", str(DETERMINISTIC_SCRIPT), *TINY_FLAGS, "--train-iters", "1"]) == 0
     )

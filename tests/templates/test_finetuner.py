@@ -215,7 +215,7 @@ def test_hub_names_without_network_say_to_pass_a_local_directory(
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)
     from rapidformer.data.finetune_data import load_splits
-    from rapidformer.templates.finetuner import load_model, load_tokenizer
+    from rapidformer.models.hf import load_model, load_tokenizer
 
     with pytest.raises(ConfigError, match=r"no network access to the hub.*local directory"):
         load_tokenizer("some-org/some-model")
