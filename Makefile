@@ -86,6 +86,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_3d.py
 	$(PY) benchmarks/pipeline_bubble.py
 	$(PY) benchmarks/lm_loss_memory.py
+	$(PY) benchmarks/lora.py
 	$(PY) benchmarks/moe_balancing.py
 	$(PY) benchmarks/loss_parity.py
 	$(PY) benchmarks/choosing_switches.py

@@ -10,7 +10,8 @@ committed results, without running anything:
 Charts: the loss curves (the demo's learning curve, every layout against one process), model
 state per rank by ZeRO stage, memory per rank by tensor x pipeline layout (measured, formula,
 the dry run's estimate, the reference's published peaks), throughput by switch, the pipeline
-bubble against theory, and the dynamic-shape iterator's padding.
+bubble against theory, the dynamic-shape iterator's padding, and full fine-tuning against LoRA
+and QLoRA.
 """
 
 from __future__ import annotations
@@ -190,6 +191,21 @@ def dynamic_shape(result: dict[str, Any]) -> Figure:
     return figure
 
 
+def lora(result: dict[str, Any]) -> Figure:
+    figure, (memory_axis, speed_axis) = _figure(9, 4.2, columns=2)
+    summary = result["summary"]
+    names = list(summary)
+    memory_axis.bar(names, [summary[n]["peak_mib"] for n in names], color="C1")
+    memory_axis.set(ylabel="MiB, peak of a step", title="Memory")
+    speed_axis.bar(names, [summary[n]["tokens_per_s"] for n in names], color="C0")
+    speed_axis.set(ylabel="tokens / s (CPU)", title="Throughput")
+    for axis, key in ((memory_axis, "memory"), (speed_axis, "speed")):
+        for index, name in enumerate(names):
+            axis.annotate(f"{result['ratios'][name][key]:.2f}x", (index, 0), xytext=(0, 4),
+                          textcoords="offset points", ha="center", color="white")  # fmt: skip
+    return figure
+
+
 def _speed_ratios() -> dict[str, float]:
     """Speed of each switch relative to running without it, from the CPU results."""
     ratios: dict[str, float] = {}
@@ -251,6 +267,7 @@ CHARTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "memory_3d": memory_3d,
     "pipeline_bubble": pipeline_bubble,
     "dynamic_shape": dynamic_shape,
+    "lora": lora,
 }
 """Result name -> the chart drawn from its JSON."""
 

@@ -1,9 +1,13 @@
-"""Export a pretraining checkpoint to Hugging Face format:
-``python -m rapidformer.export CHECKPOINT OUT_DIR``.
+"""Export a checkpoint to Hugging Face format:
+``python -m rapidformer.export CHECKPOINT OUT_DIR [--merge-lora]``.
 
 CHECKPOINT is a ``--save`` directory (its ``latest`` checkpoint is used) or one ``iter_*``
-directory. OUT_DIR then holds ``config.json``, the weights and the tokenizer, ready for
-``transformers.AutoModelForCausalLM`` (GPT) or ``BertForPreTraining.from_pretrained`` (BERT).
+directory. For a pretraining checkpoint OUT_DIR then holds ``config.json``, the weights and the
+tokenizer, ready for ``transformers.AutoModelForCausalLM`` (GPT) or
+``BertForPreTraining.from_pretrained`` (BERT). For a checkpoint of adapters (``--lora-rank``)
+it holds PEFT's adapter directory (``PeftModel.from_pretrained(base, OUT_DIR)``), or with
+``--merge-lora`` the base model with the adapters folded into its weights (a plain Hugging Face
+model directory, the base read from where the run read it).
 """
 
 from __future__ import annotations
@@ -15,24 +19,29 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rapidformer import safe_load
+from rapidformer.accel.lora.saving import export_adapter
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
-from rapidformer.errors import CheckpointError, exit_code_of
+from rapidformer.errors import CheckpointError, ConfigError, exit_code_of
 from rapidformer.templates.families import family_for
 
 
 def export_checkpoint(
-    checkpoint: str | Path, out_dir: str | Path, *, trust_checkpoint: bool = False
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    trust_checkpoint: bool = False,
+    merge_lora: bool = False,
 ) -> Path:
     """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``
-    (safetensors). Its files are scanned before they are unpickled unless ``trust_checkpoint``
-    (see :mod:`rapidformer.safe_load`)."""
+    (safetensors), or a checkpoint's adapters (see the module docstring). Its files are scanned
+    before they are unpickled unless ``trust_checkpoint`` (see :mod:`rapidformer.safe_load`)."""
     with safe_load.trusting(trust_checkpoint):
-        return _export(checkpoint, out_dir)
+        return _export(checkpoint, out_dir, merge_lora)
 
 
-def _export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Path:
     path = find_checkpoint(checkpoint)
     if path is None:
         raise CheckpointError(
@@ -43,6 +52,13 @@ def _export(checkpoint: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(
             f"{path / PROGRESS} holds no config: it was not written by a rapidformer Trainer"
         )
+    adapters = record.get("frozen_base")
+    if adapters is not None:
+        return export_adapter(
+            adapters, consolidated_model_state(path), out_dir, merge_lora=merge_lora
+        )
+    if merge_lora:
+        raise CheckpointError(f"{path} holds no adapters (it was not trained with --lora-rank)")
     config = RapidformerConfig.from_dict(record["config"])
     data = config.data
     if data.tokenizer_type is None or data.vocab_file is None:
@@ -66,12 +82,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="unpickle the checkpoint's files without the allowlist scan (a trusted source only)",
     )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a checkpoint of adapters: write the base with the adapters folded in (a plain "
+        "Hugging Face model) instead of PEFT's adapter directory",
+    )
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(
-            args.checkpoint, args.out_dir, trust_checkpoint=args.trust_checkpoint
+            args.checkpoint,
+            args.out_dir,
+            trust_checkpoint=args.trust_checkpoint,
+            merge_lora=args.merge_lora,
         )
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:
         print(f"rapidformer.export: error: {exc}", file=sys.stderr)
         return exit_code_of(exc)
     print(f"exported to {out}")

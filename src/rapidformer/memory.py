@@ -35,6 +35,11 @@ class StateBytes:
 def held_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank stores for ``tensor`` (its local shard for a DTensor)."""
     local = local_part(tensor)
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if callable(flatten):
+        # A tensor subclass that stores other tensors (torchao's NF4: codes and scales).
+        inner, _ = flatten()
+        return sum(held_bytes(getattr(local, name)) for name in inner)
     return local.numel() * local.element_size()
 
 

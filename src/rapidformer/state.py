@@ -290,6 +290,23 @@ class GradientSync:
     """... and then divided by it (the ep degree)."""
 
 
+@dataclass(frozen=True)
+class FrozenBase:
+    """A run that trains adapters on a frozen base (``--lora-rank``). Written by
+    ``apply_lora`` alone; checkpoints write only ``trainable`` and record the base by its
+    fingerprint."""
+
+    trainable: frozenset[str]
+    """Names of the parameters that train (adapters and modules trained in full)."""
+    fingerprint: str
+    """SHA-256 of the base's parameters before adapters ("" in a dry run)."""
+    source: str
+    """Where the base came from (its directory, else its class)."""
+    adapter_config: dict[str, Any] = field(default_factory=dict)
+    """The adapters as PEFT's ``adapter_config.json`` says them (targets as paths): written
+    beside the adapter's tensors and into each checkpoint's record."""
+
+
 @dataclass
 class TrainState:
     """The model, optimizer, data and numerics of a run after compose().
@@ -322,6 +339,8 @@ class TrainState:
     experts: ExpertParallel | None = None
     gradient_sync: GradientSync = field(default_factory=GradientSync)
     checkpoint_format: CheckpointFormat | None = None
+    frozen_base: FrozenBase | None = None
+    """Adapters on a frozen base (``--lora-rank``): what checkpoints write and check."""
     plan: list[PlanStep] = field(default_factory=list)
     model_parts: list[nn.Module] = field(default_factory=list)
     moe: RoutingControl = field(default_factory=NoRouting)

@@ -80,6 +80,24 @@ def _finetune(inputs: Inputs, data_dir: Path | str, *flags: str) -> list[str]:
     ]
 
 
+def _foreign_adapter(inputs: Inputs) -> Path:
+    """A PEFT-format adapter for a model twice as wide as the tiny BERT."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = inputs.root / "foreign_adapter"
+    out.mkdir(exist_ok=True)
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["query"]}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {
+        f"base_model.model.bert.encoder.layer.{n}.attention.self.query.lora_{ab}.weight": t
+        for n in (0, 1)
+        for ab, t in (("A", torch.zeros(2, 64)), ("B", torch.zeros(64, 2)))
+    }
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -368,6 +386,47 @@ CASES = [
             [*_finetune(i, i.finetune)[:3], str(i.root / "nomodel"), *_finetune(i, i.finetune)[4:]]
         ),
         ("--pretrained-model-name-or-path", "nomodel", "Fix: check the path"),
+    ),
+    # ---- adapters -----------------------------------------------------------------------
+    Case(
+        "lora-targets-match-nothing",
+        lambda i: _finetune(i, i.finetune, "--lora-rank", "4", "--lora-target-modules", "q_proj"),
+        ("--lora-target-modules='q_proj'", "matches no linear layer", "dense, key, query, value"),
+    ),
+    Case(
+        "lora-rank-zero",
+        lambda i: _finetune(i, i.finetune, "--lora-rank", "0"),
+        ("--lora-rank=0", "at least 1"),
+    ),
+    Case(
+        "lora-alpha-negative",
+        lambda i: _finetune(i, i.finetune, "--lora-rank", "4", "--lora-alpha", "-2"),
+        ("--lora-alpha=-2", "greater than 0"),
+    ),
+    Case(
+        "lora-flag-while-off",
+        lambda i: _finetune(i, i.finetune, "--lora-variant", "dora"),
+        ("--lora-variant='dora'", "LoRA is off", "Fix: add --lora-rank"),
+    ),
+    Case(
+        "quantize-base-without-lora",
+        lambda i: _finetune(i, i.finetune, "--quantize-base", "nf4"),
+        ("--quantize-base='nf4'", "LoRA is off"),
+    ),
+    Case(
+        "lora-on-the-built-in-models",
+        lambda i: [*PRETRAIN, *i.data, "--lora-rank", "4"],
+        ("--lora-rank=4", "built-in GPT and BERT do not take adapters yet", "Fix: export"),
+    ),
+    Case(
+        "quantize-base-needs-bf16",
+        lambda i: _finetune(i, i.finetune, "--lora-rank", "4", "--quantize-base", "nf4"),
+        ("--quantize-base='nf4'", "needs --precision bf16", "Fix: add --precision bf16"),
+    ),
+    Case(
+        "adapter-of-another-shape",
+        lambda i: _finetune(i, i.finetune, "--lora-adapter", str(_foreign_adapter(i))),
+        ("--lora-adapter", "does not fit this model", "lora_A.weight"),
     ),
     # ---- user scripts -------------------------------------------------------------------
     Case(

@@ -7,7 +7,7 @@ flags, so everything a switch cannot do is in its own module.
 
 * one file: ``data``, ``data_parallel``, ``fp8``, ``liger``, ``lm_loss``, ``materialize``,
   ``precision``, ``recompute``, ``sharding``, ``tensor_parallel``;
-* packages: ``compile/``, ``deepspeed/``, ``moe/``, ``onnx/``, ``optim/``, ``pipeline/``.
+* packages: ``compile/``, ``deepspeed/``, ``lora/``, ``moe/``, ``onnx/``, ``optim/``, ``pipeline/``.
 
 They plug into the step's own code (:mod:`rapidformer.step`), never the other way round. The
 order in which they are applied, and the list of features, live in

@@ -153,9 +153,41 @@ def _write_files(staging: Path, step: int, state: TrainState, progress: dict[str
             format=writer.name,
             parallel=state.mesh.dims.axes,
             plan=[str(p) for p in state.plan],
+            frozen_base=_base_record(state),
             world_size=process_group.world_size(),
         )
         (staging / PROGRESS).write_text(json.dumps(record, indent=2))
+
+
+def _base_record(state: TrainState) -> dict[str, Any] | None:
+    base = state.frozen_base
+    if base is None:
+        return None
+    return {"source": base.source, "sha256": base.fingerprint, "adapter": base.adapter_config}
+
+
+def _check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
+    """A checkpoint of adapters resumes only on the base it was trained on, and a whole
+    model's checkpoint only without adapters: refused before anything is read."""
+    saved, running = record.get("frozen_base"), _base_record(state)
+    if saved is None and running is None:
+        return
+    if saved is None:
+        raise CheckpointError(
+            f"{path} holds a whole model, and this run trains adapters (--lora-rank): start "
+            "from its weights instead (export it, then --pretrained-model-name-or-path)"
+        )
+    if running is None:
+        raise CheckpointError(
+            f"{path} holds adapters on the base {saved['source']}: resume it with the same "
+            "--lora-* flags, or merge it first (python -m rapidformer.export --merge-lora)"
+        )
+    if saved["sha256"] != running["sha256"]:
+        raise CheckpointError(
+            f"{path} holds adapters trained on another base: it was saved on {saved['source']} "
+            f"(sha256 {saved['sha256'][:12]}), this run's base {running['source']} is "
+            f"{running['sha256'][:12]}. Resume with the base it was trained on"
+        )
 
 
 def _publish(root: Path, staging: Path, final: Path, keep: int | None) -> None:
@@ -240,6 +272,7 @@ def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     progress record saved with it."""
     progress: dict[str, Any] = json.loads((path / PROGRESS).read_text())
     reader = _reader(path, state, progress)
+    _check_base(path, state, progress)
     try:
         reader.load(state, path, progress)
         if state.lr_scheduler is not None:

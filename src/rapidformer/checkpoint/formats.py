@@ -88,7 +88,7 @@ class ConsolidatedFormat:
     name = "consolidated"
 
     def save(self, state: TrainState, directory: Path) -> None:
-        model_state = state.unwrapped_model.state_dict()  # whole on every rank
+        model_state = saved_part(state, state.unwrapped_model.state_dict())  # whole, every rank
         optimizer_state = _full_optimizer_state(state)  # ZeRO-1 gathers: every rank calls
         if optimizer_state is not None and state.optimizer is not None:
             # The name of each numbered parameter: another layout groups them differently.
@@ -110,8 +110,8 @@ class ConsolidatedFormat:
             # Every rank reads the whole file and keeps what it holds: its shard of each
             # tensor, its stages' tensors.
             model = _single_part(state)
-            held = set(model.state_dict())
-            options = StateDictOptions(full_state_dict=True)
+            held = set(saved_part(state, model.state_dict()))
+            options = StateDictOptions(full_state_dict=True, strict=state.frozen_base is None)
             mine = {k: v for k, v in model_state.items() if k in held}
             set_model_state_dict(model, mine, options=options)
             if state.optimizer is not None:
@@ -119,7 +119,10 @@ class ConsolidatedFormat:
                 named = _by_fqn(model, state.optimizer, saved)
                 set_optimizer_state_dict(model, state.optimizer, named, options=options)
             return
-        state.unwrapped_model.load_state_dict(model_state)
+        if state.frozen_base is None:
+            state.unwrapped_model.load_state_dict(model_state)
+        else:  # adapters: the base is the run's own (checked by its fingerprint)
+            _load_trained_part(state, model_state, directory)
         if state.optimizer is not None:  # ZeroRedundancyOptimizer takes the whole too
             saved = load_file(directory / "optimizer.pt")
             saved.pop("param_names", None)
@@ -153,15 +156,17 @@ class DistributedFormat:
             )
         # The templates say which tensors to read and how this rank holds them; a fresh
         # optimizer gets (zero) state first so that its template has the moments to fill.
-        templates = [get_model_state_dict(part) for part in state.model_parts]
+        templates = [saved_part(state, get_model_state_dict(part)) for part in state.model_parts]
         content: dict[str, Any] = {"model": {k: v for t in templates for k, v in t.items()}}
         if state.optimizer is not None:
             content["optimizer"] = _optimizer_state(state)
         # Its metadata through the allowlist, its non-tensor items as plain values.
         reader, planner = dcp_reader(directory / SHARDED), dcp_load_planner()
         dcp.load(content, storage_reader=reader, planner=planner)
+        strict = StateDictOptions(strict=state.frozen_base is None)
         for part, template in zip(state.model_parts, templates, strict=True):
-            set_model_state_dict(part, {name: content["model"][name] for name in template})
+            values = {name: content["model"][name] for name in template}
+            set_model_state_dict(part, values, options=strict)
         if state.optimizer is not None:
             set_optimizer_state_dict(
                 _single_part(state), state.optimizer, content["optimizer"], options=_FLAT
@@ -215,8 +220,28 @@ def _model_state(state: TrainState) -> dict[str, Any]:
     so a stage's keys are the whole model's keys of its layers."""
     merged: dict[str, Any] = {}
     for part in state.model_parts:
-        merged.update(get_model_state_dict(part))
+        merged.update(saved_part(state, get_model_state_dict(part)))
     return merged
+
+
+def saved_part(state: TrainState, model_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds of a model state dict: all of it, or with adapters on a
+    frozen base only the parameters that train (the base is recorded by its fingerprint)."""
+    base = state.frozen_base
+    if base is None:
+        return model_state
+    return {k: v for k, v in model_state.items() if k in base.trainable}
+
+
+def _load_trained_part(state: TrainState, saved: dict[str, Any], directory: Path) -> None:
+    assert state.frozen_base is not None
+    missing = sorted(state.frozen_base.trainable - set(saved))
+    if missing:
+        raise CheckpointError(
+            f"{directory} lacks {len(missing)} of this run's trained parameters ({missing[0]} "
+            "...): it was saved with other adapters or targets"
+        )
+    state.unwrapped_model.load_state_dict(saved, strict=False)
 
 
 def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from rapidformer.config import aliases
 from rapidformer.config.fields import FieldSpec, all_fields, fields_by_name
 from rapidformer.config.schema import (
     SECTIONS,
+    AdapterConfig,
     CheckpointConfig,
     DataConfig,
     GraphConfig,
@@ -47,6 +48,7 @@ class RapidformerConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -42,6 +42,8 @@ PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBV"]
 TokenDropPolicy = Literal["probs", "position"]
 LoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "expert_bias", "none"]
 ScoreFunction = Literal["softmax", "sigmoid"]
+LoraVariant = Literal["lora", "dora", "rslora"]
+BaseQuantization = Literal["nf4"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +300,41 @@ class GraphConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdapterConfig:
+    """Parameter-efficient fine-tuning: low-rank adapters on a frozen base, saved in PEFT's
+    format (docs/adapters.md)."""
+
+    lora_rank: int | None = None
+    """Train low-rank adapters of this rank on the target linear layers instead of every
+    weight (LoRA); the base is frozen. Off by default."""
+    lora_alpha: float | None = None
+    """The adapters' scale numerator: each adds alpha / rank x B(A(x)) (alpha / sqrt(rank) with
+    --lora-variant rslora). Default: 2 x --lora-rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input (the base sees the input unchanged)."""
+    lora_target_modules: str = "all-linear"
+    """Linear layers that get adapters: all-linear (every linear layer but the output head and
+    the modules to save, as PEFT's all-linear), comma-separated module names (a name matches
+    itself and every module path ending in .name), or a regular expression matched against
+    the whole module path."""
+    lora_variant: LoraVariant = "lora"
+    """lora: alpha / rank scaling; dora: weight-decomposed LoRA (a trained magnitude per output
+    feature, PEFT's use_dora); rslora: rank-stabilised alpha / sqrt(rank) scaling."""
+    lora_modules_to_save: str | None = None
+    """Comma-separated modules trained in full beside the adapters and saved with them.
+    Default: the task's new head (classifier, score, qa_outputs) for sequence and token
+    classification and question answering; none otherwise."""
+    quantize_base: BaseQuantization | None = None
+    """QLoRA: store the frozen linear weights in NF4 (torchao), dequantised layer by layer in
+    forward and backward. Needs --lora-rank and --precision bf16."""
+    lora_adapter: str | None = None
+    """Start from the adapter in this directory (adapter_config.json and
+    adapter_model.safetensors, as rapidformer or PEFT's save_pretrained write them) instead of
+    fresh adapters; its rank, alpha, variant and targets are used unless the flags say
+    otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Which optimizer implementation steps the parameters."""
 
@@ -373,6 +410,7 @@ SECTIONS: dict[str, type] = {
     "memory": MemoryConfig,
     "moe": MoEConfig,
     "graph": GraphConfig,
+    "adapters": AdapterConfig,
     "optimizer": OptimizerConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,

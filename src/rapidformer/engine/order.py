@@ -24,6 +24,7 @@ from rapidformer.accel import (
     fp8,
     liger,
     lm_loss,
+    lora,
     materialize,
     moe,
     onnx,
@@ -77,6 +78,10 @@ NATIVE_ORDER: tuple[Step, ...] = (
     # fp8 swaps the blocks' linear layers for float8 ones (the blocks themselves, and their
     # recompute patches, stay); before compile, sharding and tensor parallelism see them.
     Step(fp8.apply_fp8, not_simulated="float8 layers are estimated as bf16"),
+    # Adapters freeze the base and sit on its linear layers (float8 ones too) while the model
+    # is whole; compile then traces them with their block, and FSDP2 shards frozen and
+    # trainable parameters of a block in one unit.
+    Step(lora.apply_lora),
     # The fused LM loss is a switch on the model's forward (its head and loss in chunks),
     # set before compile traces that forward.
     Step(lm_loss.apply_fused_lm_loss, shapes_activations=True),
@@ -136,6 +141,7 @@ FEATURES: tuple[Feature, ...] = (
     compiling.FEATURE,
     recompute.FEATURE,
     lm_loss.FEATURE,
+    lora.FEATURE,
     fp8.FEATURE,
     liger.FEATURE,
     onnx.FEATURE,

@@ -108,6 +108,11 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tokenizer
 
 
+NEW_WEIGHTS = "rapidformer_new_weights"
+"""Attribute of a model :func:`load_model_reporting` loaded: the names of the parameters it
+initialised because the checkpoint lacked them."""
+
+
 def load_model(
     name_or_path: str, auto_class: str, trust_remote_code: bool = False, **kwargs: Any
 ) -> nn.Module:
@@ -150,6 +155,9 @@ def load_model_reporting(
             f"cannot be loaded as {auto_class} ({str(exc).splitlines()[0]})",
             "pick a model whose architecture supports the task",
         ) from exc
+    # Which weights the checkpoint did not hold (a task's head, a pooler an MLM checkpoint
+    # lacks): adapters train them in full, since a frozen random layer cannot be reproduced.
+    setattr(model, NEW_WEIGHTS, tuple(sorted(info.get("missing_keys") or ())))
     return model, loading_summary(model, info)
 
 

@@ -91,7 +91,7 @@ def init_parameters(
             values.fill_(1.0 if kind == "ones" else 0.0)
         for alias in aliases:
             if alias in local:
-                _assign(local[alias], values)
+                assign_piece(local[alias], values)
                 done.add(alias)
 
     with torch.no_grad():
@@ -114,7 +114,7 @@ def init_parameters(
         raise TypeError(f"init_parameters does not know how to initialise {left}")
 
 
-def _assign(param: torch.Tensor, values: torch.Tensor) -> None:
+def assign_piece(param: torch.Tensor, values: torch.Tensor) -> None:
     """``param = values``, for a DTensor only this rank's piece of them."""
     if not isinstance(param, DTensor):
         param.copy_(values)

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from rapidformer.accel.liger import family_violation
+from rapidformer.accel.lora import lora_on
+from rapidformer.accel.lora.saving import save_run_adapter
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
@@ -61,6 +63,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_SEQ_LENGTH = 128
+LORA_LR = 2e-4
+"""The learning rate of adapters where --lr is open (PEFT's and TRL's LoRA examples, the QLoRA
+paper's for models up to 13B)."""
 
 
 class Finetuner(Trainer):
@@ -81,6 +86,8 @@ class Finetuner(Trainer):
         if not open_ or task is None or canonical_task(task) not in TASKS:
             return config
         recipe = task_for(task).recipe.flags()
+        if lora_on(config):
+            recipe["lr"] = LORA_LR  # adapters start at zero and need a larger step
         return config.replace(**{name: recipe[name] for name in open_})
 
     @classmethod
@@ -181,6 +188,8 @@ class Finetuner(Trainer):
         source = task_for(self.task_key).recipe.source if ours else (
             f"{type(self).__name__}.config_defaults"
         )  # fmt: skip
+        if ours and lora_on(self.config) and given.training.lr is None:
+            source += f"; --lr {LORA_LR:g} for adapters"
         log.info(
             "fine-tuning defaults for %s (%s): %s; a flag given overrides each",
             self.task_key, source, ", ".join(chosen),
@@ -327,7 +336,13 @@ class Finetuner(Trainer):
         # Under FSDP2, DeepSpeed or tensor parallelism the module holds shards (or 16-bit
         # copies): gather the whole fp32 weights (a collective) and write those.
         full = gathered_model_state(state) if state is not None else None
-        if self.engine.is_main_process and model is not None:
+        adapters = state.frozen_base if state is not None else None
+        if self.engine.is_main_process and adapters is not None and model is not None:
+            # Adapters: PEFT's adapter directory (the base stays where it was read from).
+            save_run_adapter(adapters, full if full is not None else model.state_dict(), out_dir)
+            self.tokenizer.save_pretrained(out_dir)
+            log.info("adapter (PEFT format) and tokenizer saved to %s", out_dir)
+        elif self.engine.is_main_process and model is not None:
             save_model(model, self.tokenizer, out_dir, full)
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns

@@ -95,6 +95,18 @@ class Pretrainer(Trainer):
                     "pass --train-iters instead",
                 )
             )
+        adapters = config.adapters
+        if cls.build_model is Pretrainer.build_model and adapters.lora_rank is not None:
+            violations.append(
+                Violation(
+                    "--lora-rank",
+                    adapters.lora_rank,
+                    "the Pretrainer's built-in GPT and BERT do not take adapters yet (they are "
+                    "built on the meta device; adapters attach to a materialised model)",
+                    "export the checkpoint (python -m rapidformer.export) and fine-tune it "
+                    "with --task causal_lm or masked_lm, or drop --lora-rank",
+                )
+            )
         return violations
 
     def __init__(

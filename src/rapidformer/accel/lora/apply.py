@@ -1,0 +1,333 @@
+"""``--lora-rank``: train low-rank adapters on a frozen base (LoRA, DoRA, rsLoRA).
+
+The step freezes every parameter, attaches an adapter to each target linear layer
+(:mod:`.targets`, :mod:`.layer`) and unfreezes the adapters and the modules to save. Only
+those reach the optimizer (it is built on the parameters that require gradients), so the base
+has no gradients and no optimizer state; checkpoints write only them and record the base by a
+fingerprint (:class:`rapidformer.state.FrozenBase`). It runs while the model is whole and
+materialised, after fp8 (an adapter sits on a ``Float8Linear`` as on any linear) and before
+compile (which traces the adapters with their block) and sharding (FSDP2 shards frozen and
+trainable parameters of a block in one unit).
+
+Fresh adapters start as LoRA does: A uniform, drawn from a generator seeded by ``--seed`` and
+the layer's path (the same values on any layout and device), B zero, so the first loss is the
+base model's. ``--lora-adapter DIR`` starts from an adapter rapidformer or PEFT saved instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import zlib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rapidformer.accel.lora.layer import (
+    AdapterShape,
+    adapted_layers,
+    attach,
+    init_adapter,
+    is_conv1d,
+)
+from rapidformer.accel.lora.peft_format import (
+    TASK_TYPES,
+    AdapterSettings,
+    peft_config,
+    read_settings,
+    read_tensors,
+)
+from rapidformer.accel.lora.quantize import (
+    NF4_BLOCK,
+    is_nf4,
+    quantize_base,
+    store_frozen_in_bf16,
+)
+from rapidformer.accel.lora.targets import modules_to_save, present_modules, target_paths
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.config.validate import Feature, RunContext
+from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.errors import ConfigError, Violation
+from rapidformer.state import FrozenBase, PlanStep, TrainState
+
+_LORA_FLAGS = (
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_variant",
+    "lora_modules_to_save",
+    "quantize_base",
+)
+
+
+def lora_on(config: RapidformerConfig) -> bool:
+    adapters = config.adapters
+    return adapters.lora_rank is not None or adapters.lora_adapter is not None
+
+
+def settings_of(config: RapidformerConfig) -> AdapterSettings:
+    """The adapters this run trains: from ``--lora-adapter``'s directory when given (flags
+    that contradict it are refused), else from the flags."""
+    adapters = config.adapters
+    if adapters.lora_adapter is None:
+        assert adapters.lora_rank is not None
+        rank = adapters.lora_rank
+        alpha = adapters.lora_alpha if adapters.lora_alpha is not None else 2.0 * rank
+        return AdapterSettings(
+            AdapterShape(rank, alpha, adapters.lora_variant, adapters.lora_dropout),
+            targets=adapters.lora_target_modules,
+            base=config.model.pretrained_model_name_or_path,
+        )
+    saved = read_settings(adapters.lora_adapter)
+    given = {
+        "--lora-rank": (adapters.lora_rank, saved.shape.rank),
+        "--lora-alpha": (adapters.lora_alpha, saved.shape.alpha),
+        "--lora-variant": (
+            None if adapters.lora_variant == "lora" else adapters.lora_variant,
+            saved.shape.variant,
+        ),
+        "--lora-target-modules": (
+            None if adapters.lora_target_modules == "all-linear" else adapters.lora_target_modules,
+            saved.targets,
+        ),
+        "--lora-modules-to-save": (adapters.lora_modules_to_save, saved.modules_to_save),
+    }
+    for flag, (value, theirs) in given.items():
+        if value is not None and value != theirs:
+            raise ConfigError.single(
+                flag, value, f"contradicts the adapter in {adapters.lora_adapter} ({theirs})",
+                f"drop {flag}: a run that starts from an adapter trains it as it was made",
+            )  # fmt: skip
+    dropout = adapters.lora_dropout or saved.shape.dropout
+    return AdapterSettings(
+        AdapterShape(saved.shape.rank, saved.shape.alpha, saved.shape.variant, dropout),
+        targets=saved.targets,
+        modules_to_save=saved.modules_to_save,
+        base=saved.base,
+        fan_in_fan_out=saved.fan_in_fan_out,
+    )
+
+
+def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
+    if not lora_on(config):
+        return state
+    settings = settings_of(config)
+    (model,) = state.model_parts  # pipeline parallelism is refused by the rules
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not config.planning.dry_run:
+        raise ConfigError.single(
+            "--lora-rank", config.adapters.lora_rank,
+            f"{type(model).__name__} is built on the meta device (as the Pretrainer's built-in "
+            "GPT and BERT are) and adapters are attached to a materialised model",
+            "fine-tune a Hugging Face model with the Finetuner, or build the model on a device",
+        )  # fmt: skip
+    if settings.modules_to_save:  # an adapter's
+        saved = present_modules(model, settings.modules_to_save)
+    else:
+        saved = modules_to_save(model, config.adapters.lora_modules_to_save, config.training.task)
+    if isinstance(settings.targets, str):
+        targets = target_paths(model, settings.targets, saved)
+    else:  # an adapter's list of paths (or names), matched as PEFT matches a list
+        targets = target_paths(model, ",".join(settings.targets), saved)
+    fingerprint = "" if on_meta else base_fingerprint(model, saved)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    modules = dict(model.named_modules())
+    for path in targets:
+        attach(modules[path], settings.shape)
+    for path in saved:
+        modules[path].requires_grad_(True)
+    stored = ""
+    if config.adapters.quantize_base == "nf4" and on_meta:
+        stored = "; NF4 not simulated on the meta device: the base is counted unquantised"
+    if config.adapters.quantize_base == "nf4" and not on_meta:
+        sharded = config.memory.sharding in ("zero2", "zero3")
+        quantised, kept = quantize_base(adapted_layers(model), mesh.dims.dp if sharded else 1)
+        store_frozen_in_bf16(model)
+        # DDP broadcasts rank 0's parameters when it wraps the model, through a flat buffer of
+        # each tensor's reported dtype and size: an NF4 weight (uint8 codes behind a bf16 face)
+        # would arrive damaged. Every rank quantised the same weights; DDP leaves them alone.
+        model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
+            name for name, p in model.named_parameters() if is_nf4(p)
+        ]
+        listed = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+        stored = f"; NF4 (torchao) for {len(quantised)} adapted layers' weights" + (
+            f", bf16 for {len(kept)} whose size is no multiple of {NF4_BLOCK}"
+            f"{f' x {mesh.dims.dp} ranks' if sharded else ''} ({listed})"
+            if kept else ""
+        )  # fmt: skip
+    if not on_meta:
+        _initialise(model, config)
+        if config.adapters.lora_adapter is not None:
+            source = config.adapters.lora_adapter
+            load_adapter_tensors(model, read_tensors(source), source)
+    if config.graph.torch_compile:
+        _blocks_see_gradient_inputs(model)
+    trainable = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
+    layers = adapted_layers(model).values()
+    written = replace(
+        settings,
+        targets=tuple(targets),
+        modules_to_save=tuple(saved),
+        task_type=TASK_TYPES.get(config.training.task or ""),
+        fan_in_fan_out=any(is_conv1d(layer) for layer in layers),
+    )
+    state.frozen_base = FrozenBase(
+        trainable=trainable,
+        fingerprint=fingerprint,
+        source=settings.base or type(model).__name__,
+        adapter_config=peft_config(written),
+    )
+    state.plan.append(_plan_step(model, settings, targets, saved, stored))
+    return state
+
+
+def _blocks_see_gradient_inputs(model: nn.Module) -> None:
+    """Frozen embeddings give the first block an input that needs no gradient, and every later
+    block one that does: compiled per block, that is two graphs per shape. Their outputs are
+    marked as needing one (one more matmul in the first block's backward), so every block
+    shares one graph."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and not module.weight.requires_grad:
+            module.register_forward_hook(_needs_gradient)
+
+
+def _needs_gradient(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+
+def _initialise(model: nn.Module, config: RapidformerConfig) -> None:
+    for path, layer in adapted_layers(model).items():
+        seed = (config.training.seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+        init_adapter(layer, torch.Generator().manual_seed(seed))
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy an adapter's tensors into the adapted model; every adapter tensor the model has
+    must come, with its shape."""
+    own = dict(model.named_parameters())
+    expected = {n for n in own if own[n].requires_grad}
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - set(own))
+    wrong = [
+        f"{n} is {tuple(t.shape)} there, {tuple(own[n].shape)} in the model"
+        for n, t in tensors.items()
+        if n in own and tuple(t.shape) != tuple(own[n].shape)
+    ]
+    if missing or unknown or wrong:
+        problems = (
+            [f"the model's {n} is not in it" for n in missing[:3]]
+            + [f"its {n} is no parameter of {type(model).__name__}" for n in unknown[:3]]
+            + wrong[:3]
+        )
+        raise ConfigError.single(
+            "--lora-adapter", source,
+            "does not fit this model (an adapter of another base or another task?): "
+            + "; ".join(problems),
+            "pass the adapter made for this --pretrained-model-name-or-path",
+        )  # fmt: skip
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor)
+
+
+def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
+    """SHA-256 over the names, shapes, dtypes and bytes of the frozen base's parameters (not
+    the modules trained in full: a new head starts random, and checkpoints hold it): a
+    checkpoint of adapters refuses to resume on another base."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        if any(name.startswith(s + ".") for s in saved) or ".lora_" in name:
+            continue
+        tensor = parameter.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _plan_step(
+    model: nn.Module, settings: AdapterSettings, targets: list[str], saved: list[str], stored: str
+) -> PlanStep:
+    shape = settings.shape
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    names = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                     if not p.requires_grad and not is_nf4(p)})  # fmt: skip
+    scale = f"alpha {shape.alpha:g} / {'sqrt(rank)' if shape.variant == 'rslora' else 'rank'}"
+    return PlanStep(
+        "adapters",
+        f"{shape.variant} (rapidformer's adapter layer; PEFT's format on disk)",
+        f"rank {shape.rank}, {scale} = {shape.scaling:g}, dropout {shape.dropout:g}; "
+        f"{len(targets)} layers adapted ({', '.join(names)}); trained in full: "
+        f"{', '.join(saved) or 'none'}; trainable {trainable:,} of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f}%), frozen {total - trainable:,}; base stored "
+        f"as {', '.join(dtypes) or '-'}{stored}",
+    )
+
+
+def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    adapters = config.adapters
+    if not lora_on(config):
+        for name in _LORA_FLAGS:
+            value = getattr(adapters, name)
+            if value != getattr(type(adapters)(), name):
+                flag = "--" + name.replace("_", "-")
+                yield Violation(flag, value, "needs adapters: LoRA is off", "add --lora-rank R")
+        return
+    if adapters.lora_alpha is not None and adapters.lora_alpha <= 0:
+        yield Violation("--lora-alpha", adapters.lora_alpha, "must be greater than 0",
+                        "pass a positive scale, e.g. 2 x --lora-rank")  # fmt: skip
+    if not 0.0 <= adapters.lora_dropout < 1.0:
+        yield Violation("--lora-dropout", adapters.lora_dropout,
+                        "must be at least 0 and below 1", "pass e.g. 0.05")  # fmt: skip
+    flag, value = ("--lora-rank", adapters.lora_rank) if adapters.lora_rank else (
+        "--lora-adapter", adapters.lora_adapter)  # fmt: skip
+    not_yet = {
+        "--tensor-model-parallel-size": (context.dims.tp, "tensor parallelism"),
+        "--pipeline-model-parallel-size": (context.dims.pp, "pipeline parallelism"),
+    }
+    for other, (degree, what) in not_yet.items():
+        if degree > 1:
+            yield Violation(
+                flag, value,
+                f"cannot run with {other} {degree}: adapters are not wired into {what} yet",
+                f"drop {other}; data parallelism and ZeRO-1/2/3 run with adapters",
+            )  # fmt: skip
+    if adapters.quantize_base is not None and config.precision.precision != "bf16":
+        yield Violation(
+            "--quantize-base", adapters.quantize_base,
+            f"needs --precision bf16 (this run: {config.precision.precision}): the layers it "
+            "cannot quantise are stored in bf16", "add --precision bf16",
+        )  # fmt: skip
+    quantizes_here = adapters.quantize_base is not None and context.on_this_machine
+    if quantizes_here and importlib.util.find_spec("torchao") is None:
+        yield Violation(
+            "--quantize-base", adapters.quantize_base, "needs torchao (its NF4 tensor)",
+            "pip install 'torchao>=0.18'",
+        )  # fmt: skip
+    if config.graph.onnx_runtime_training:
+        yield Violation(flag, value, "cannot run with --onnx-runtime-training: the exported "
+                        "graph has no adapters", "drop --onnx-runtime-training")  # fmt: skip
+    if adapters.lora_adapter is not None and context.on_this_machine:
+        path = Path(adapters.lora_adapter)
+        if not (path / "adapter_config.json").is_file():
+            yield Violation(
+                "--lora-adapter", adapters.lora_adapter,
+                "holds no adapter_config.json" if path.is_dir() else "no such directory",
+                "pass a directory written by rapidformer or PEFT's save_pretrained",
+            )  # fmt: skip
+
+
+FEATURE = Feature(
+    "adapters",
+    flags=("--lora-rank", "--lora-adapter", *("--" + f.replace("_", "-") for f in _LORA_FLAGS)),
+    rules=rules,
+    switched_on=lambda config: (
+        (config.adapters.lora_rank or config.adapters.lora_adapter) if lora_on(config) else None
+    ),
+    refused_on={"deepspeed": "DeepSpeed's engine is not given the adapters' frozen base yet"},
+)

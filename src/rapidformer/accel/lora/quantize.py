@@ -1,0 +1,65 @@
+"""``--quantize-base nf4`` (QLoRA): the adapted layers' frozen weights stored in NF4.
+
+torchao's ``NF4Tensor`` holds a weight in 4-bit NormalFloat codes: blocks of 64 values share a
+scale, and the scales are quantised again in blocks of 256 (double quantisation), about 0.52
+bytes per value. ``nn.Linear``'s own forward works on it: torchao dequantises the weight to
+the input's dtype for the matmul, and its backward gives the input's gradient (the weight gets
+none: it is frozen). Dequantisation happens layer by layer, so only one layer's weight is ever
+whole in 16 bits.
+
+A weight whose size is not a multiple of 64 x 256 values cannot be double-quantised, and
+under ZeRO-2/3 (FSDP2 shards NF4 weights through torchao's own split) not one of 64 x 256 x
+the data-parallel ranks; it stays in bf16, as do GPT-2's ``Conv1D`` layers (their matmul is
+not one torchao overrides), and the plan lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rapidformer.accel.lora.layer import base_weight, is_conv1d
+
+NF4_BLOCK = 64 * 256
+"""Values per double-quantisation block: a weight's size must be a multiple of it."""
+
+
+def quantize_base(layers: dict[str, nn.Module], shards: int = 1) -> tuple[list[str], list[str]]:
+    """Store each layer's weight in NF4 where its shape allows, in bf16 where not; returns
+    (quantised paths, paths kept in bf16). ``shards``: the ranks FSDP2 will split each weight
+    over (its rows, and each of the NF4 tensor's parts, must divide evenly)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    quantised: list[str] = []
+    kept: list[str] = []
+    for path, layer in layers.items():
+        weight = base_weight(layer).detach()
+        with torch.no_grad():
+            uneven = weight.numel() % (NF4_BLOCK * shards) or weight.shape[0] % shards
+            if uneven or is_conv1d(layer):
+                layer.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+                kept.append(path)
+                continue
+            layer.weight = nn.Parameter(to_nf4(weight.to(torch.bfloat16)), requires_grad=False)
+        quantised.append(path)
+    return quantised, kept
+
+
+def store_frozen_in_bf16(model: nn.Module) -> None:
+    """The rest of the frozen base (embeddings, norms, an output head) in bf16, as QLoRA keeps
+    it: the run computes in bf16 (``--precision bf16``) and these never train."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, parameter in list(module.named_parameters(recurse=False)):
+                if (
+                    parameter.requires_grad
+                    or is_nf4(parameter)
+                    or not parameter.is_floating_point()
+                ):
+                    continue
+                if parameter.dtype != torch.bfloat16:
+                    setattr(module, name, nn.Parameter(parameter.to(torch.bfloat16), False))
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "NF4Tensor"

@@ -1,0 +1,115 @@
+"""Adapters out of a run or a checkpoint: a PEFT adapter directory, or a merged model.
+
+* :func:`save_run_adapter`: the Finetuner's final save with ``--lora-rank`` (every rank calls
+  it: a sharded model is gathered first).
+* :func:`export_adapter`: ``python -m rapidformer.export CHECKPOINT OUT`` for a checkpoint of
+  adapters; with ``merge=True`` (``--merge-lora``) a plain Hugging Face model directory with
+  the adapters folded into the base weights (the base read from where the run read it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rapidformer.accel.lora.layer import merge
+from rapidformer.accel.lora.peft_format import adapter_tensors, save_adapter, settings_from
+from rapidformer.errors import CheckpointError
+from rapidformer.state import FrozenBase
+
+AUTO_CLASSES = {
+    "SEQ_CLS": "AutoModelForSequenceClassification",
+    "TOKEN_CLS": "AutoModelForTokenClassification",
+    "QUESTION_ANS": "AutoModelForQuestionAnswering",
+    "CAUSAL_LM": "AutoModelForCausalLM",
+    "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+    None: "AutoModelForMaskedLM",
+}
+"""PEFT's task type -> the Auto class a merged model is loaded into."""
+
+
+def trained_tensors(base: FrozenBase, full_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The adapters' and the saved modules' tensors of a whole model state dict."""
+    config = base.adapter_config
+    return adapter_tensors(
+        full_state, list(config["target_modules"]), list(config["modules_to_save"] or ())
+    )
+
+
+def save_run_adapter(
+    base: FrozenBase, full_state: Mapping[str, torch.Tensor], out_dir: str | Path
+) -> Path:
+    """Write the adapter of a run (``full_state``: its gathered model state, rank 0)."""
+    return save_adapter(out_dir, trained_tensors(base, full_state), base.adapter_config)
+
+
+def export_adapter(
+    record: Mapping[str, Any], trained: Mapping[str, torch.Tensor], out_dir: str | Path,
+    *, merge_lora: bool = False,
+) -> Path:  # fmt: skip
+    """Write a checkpoint's adapters (``trained``: its model state, the trained parameters
+    only; ``record``: its ``frozen_base`` record) as a PEFT directory, or merged into the base
+    as a Hugging Face model directory."""
+    config = record["adapter"]
+    if not merge_lora:
+        return save_adapter(out_dir, dict(trained), config)
+    settings = settings_from(config, "--merge-lora (the checkpoint's adapter)")
+    source = settings.base
+    if source is None or not Path(source).is_dir():
+        raise CheckpointError(
+            f"cannot merge: the base the adapters were trained on ({source}) is not a directory "
+            "here; export the adapter without --merge-lora, or copy the base back there"
+        )
+    import transformers
+
+    auto = getattr(transformers, AUTO_CLASSES.get(settings.task_type, "AutoModel"))
+    model = auto.from_pretrained(source, **_head_size(settings.modules_to_save, trained))
+    modules = dict(model.named_modules())
+    state = model.state_dict()
+    from rapidformer.accel.lora.apply import base_fingerprint
+
+    if base_fingerprint(model, list(settings.modules_to_save)) != record["sha256"]:
+        raise CheckpointError(
+            f"cannot merge: the model in {source} is not the base the adapters were trained on "
+            "(its fingerprint differs); export the adapter without --merge-lora"
+        )
+    with torch.no_grad():
+        for path in settings.targets:
+            layer = modules[path]
+            conv1d = settings.fan_in_fan_out
+            weight = layer.weight.t() if conv1d else layer.weight
+            merged = merge(
+                weight,
+                trained[f"{path}.lora_A.weight"],
+                trained[f"{path}.lora_B.weight"],
+                trained.get(f"{path}.lora_magnitude_vector"),
+                settings.shape,
+            ).to(layer.weight.dtype)
+            layer.weight.copy_(merged.t() if conv1d else merged)
+        for name, tensor in trained.items():
+            if any(name.startswith(m + ".") for m in settings.modules_to_save):
+                state[name].copy_(tensor)
+    model.save_pretrained(out_dir)
+    _copy_tokenizer(source, out_dir)
+    return Path(out_dir)
+
+
+def _head_size(saved: tuple[str, ...], trained: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """A classification head's label count, read from its trained weight (the base's config
+    does not know it)."""
+    for module in saved:
+        weight = trained.get(f"{module}.weight")
+        if module.rsplit(".", 1)[-1] in ("classifier", "score") and weight is not None:
+            return {"num_labels": int(weight.shape[0]), "ignore_mismatched_sizes": True}
+    return {}
+
+
+def _copy_tokenizer(source: str, out_dir: str | Path) -> None:
+    from transformers import AutoTokenizer
+
+    with contextlib.suppress(OSError, ValueError):  # a base saved without its tokenizer
+        AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)
