@@ -127,3 +127,25 @@ def test_recompute_and_the_fused_loss_keep_the_adapter_loss_curve(tmp_path: Path
     for name in ("full", "selective", "fused"):
         gap = max(abs(curves[name][s] - curves["plain"][s]) for s in curves["plain"])
         assert gap <= TOLERANCE, (name, curves)
+
+
+def test_frozen_linear_weights_kept_in_bf16_change_no_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under bf16 autocast every matmul casts its weight to bf16: storing the frozen linear
+    weights so halves their memory and leaves the losses bit for bit."""
+    from rapidformer.accel.lora import apply as lora_apply
+
+    options = {"lora_rank": 4, "precision": "bf16"}
+    stored, _, state = _losses(options, _llama(2), [16, 16, 16])
+    frozen = [p for p in state.unwrapped_model.parameters() if not p.requires_grad]
+    linear = [m.weight for m in state.unwrapped_model.modules() if isinstance(m, nn.Linear)]
+    assert {p.dtype for p in linear} == {torch.bfloat16}
+    assert {p.dtype for p in frozen if p.ndim == 1} == {torch.float32}  # the norms stay
+    kept_bytes, _ = state.stepper.expected_bytes(state)
+    monkeypatch.setattr(lora_apply, "store_frozen", lambda *args, **kwargs: None)
+    unchanged, _, plain = _losses(options, _llama(2), [16, 16, 16])
+    plain_bytes, _ = plain.stepper.expected_bytes(plain)
+    assert stored == unchanged
+    linear_bytes = sum(p.numel() for p in linear) * 2
+    assert plain_bytes.parameters - kept_bytes.parameters == linear_bytes

@@ -44,7 +44,7 @@ from rapidformer.accel.lora.quantize import (
     NF4_BLOCK,
     is_nf4,
     quantize_base,
-    store_frozen_in_bf16,
+    store_frozen,
 )
 from rapidformer.accel.lora.targets import modules_to_save, present_modules, target_paths
 from rapidformer.config.root import RapidformerConfig
@@ -140,25 +140,7 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         attach(modules[path], settings.shape)
     for path in saved:
         modules[path].requires_grad_(True)
-    stored = ""
-    if config.adapters.quantize_base == "nf4" and on_meta:
-        stored = "; NF4 not simulated on the meta device: the base is counted unquantised"
-    if config.adapters.quantize_base == "nf4" and not on_meta:
-        sharded = config.memory.sharding in ("zero2", "zero3")
-        quantised, kept = quantize_base(adapted_layers(model), mesh.dims.dp if sharded else 1)
-        store_frozen_in_bf16(model)
-        # DDP broadcasts rank 0's parameters when it wraps the model, through a flat buffer of
-        # each tensor's reported dtype and size: an NF4 weight (uint8 codes behind a bf16 face)
-        # would arrive damaged. Every rank quantised the same weights; DDP leaves them alone.
-        model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
-            name for name, p in model.named_parameters() if is_nf4(p)
-        ]
-        listed = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
-        stored = f"; NF4 (torchao) for {len(quantised)} adapted layers' weights" + (
-            f", bf16 for {len(kept)} whose size is no multiple of {NF4_BLOCK}"
-            f"{f' x {mesh.dims.dp} ranks' if sharded else ''} ({listed})"
-            if kept else ""
-        )  # fmt: skip
+    stored = _store_base(model, config, mesh, on_meta)
     if not on_meta:
         _initialise(model, config)
         if config.adapters.lora_adapter is not None:
@@ -183,6 +165,36 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
     )
     state.plan.append(_plan_step(model, settings, targets, saved, stored))
     return state
+
+
+def _store_base(
+    model: nn.Module, config: RapidformerConfig, mesh: ParallelMesh, on_meta: bool
+) -> str:
+    """How the frozen base is stored (before the adapters' values are set: DoRA's magnitude
+    starts at the norms of the weights its forward reads); returns what the plan says of it."""
+    if config.adapters.quantize_base is None:
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision.precision)
+        if autocast is not None:
+            # Frozen linear weights in the autocast dtype: the matmuls cast them so anyway.
+            store_frozen(model, autocast, linear_only=True)
+        return ""
+    if on_meta:
+        return "; NF4 not simulated on the meta device: the base is counted unquantised"
+    sharded = config.memory.sharding in ("zero2", "zero3")
+    quantised, kept = quantize_base(adapted_layers(model), mesh.dims.dp if sharded else 1)
+    store_frozen(model, torch.bfloat16, linear_only=False)
+    # DDP broadcasts rank 0's parameters when it wraps the model, through a flat buffer of
+    # each tensor's reported dtype and size: an NF4 weight (uint8 codes behind a bf16 face)
+    # would arrive damaged. Every rank quantised the same weights; DDP leaves them alone.
+    model._ddp_params_and_buffers_to_ignore = [  # type: ignore[assignment]
+        name for name, p in model.named_parameters() if is_nf4(p)
+    ]
+    listed = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return f"; NF4 (torchao) for {len(quantised)} adapted layers' weights" + (
+        f", bf16 for {len(kept)} whose size is no multiple of {NF4_BLOCK}"
+        f"{f' x {mesh.dims.dp} ranks' if sharded else ''} ({listed})"
+        if kept else ""
+    )  # fmt: skip
 
 
 def _blocks_see_gradient_inputs(model: nn.Module) -> None:

@@ -45,20 +45,22 @@ def quantize_base(layers: dict[str, nn.Module], shards: int = 1) -> tuple[list[s
     return quantised, kept
 
 
-def store_frozen_in_bf16(model: nn.Module) -> None:
-    """The rest of the frozen base (embeddings, norms, an output head) in bf16, as QLoRA keeps
-    it: the run computes in bf16 (``--precision bf16``) and these never train."""
+def store_frozen(model: nn.Module, dtype: torch.dtype, *, linear_only: bool) -> None:
+    """Store frozen floating-point parameters in ``dtype``.
+
+    ``linear_only``: only the weights and biases of linear layers (``nn.Linear`` and its
+    subclasses). Under autocast in ``dtype`` these are cast to it before every matmul anyway,
+    with the same rounding, so storing them cast changes no number and halves their memory
+    (LoRA under ``--precision bf16/fp16``). Otherwise every frozen parameter (QLoRA: embeddings,
+    norms and the head too, as QLoRA keeps them)."""
     with torch.no_grad():
         for module in model.modules():
+            if linear_only and not isinstance(module, nn.Linear):
+                continue
             for name, parameter in list(module.named_parameters(recurse=False)):
-                if (
-                    parameter.requires_grad
-                    or is_nf4(parameter)
-                    or not parameter.is_floating_point()
-                ):
-                    continue
-                if parameter.dtype != torch.bfloat16:
-                    setattr(module, name, nn.Parameter(parameter.to(torch.bfloat16), False))
+                frozen = not parameter.requires_grad and not is_nf4(parameter)
+                if frozen and parameter.is_floating_point() and parameter.dtype != dtype:
+                    setattr(module, name, nn.Parameter(parameter.to(dtype), False))
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
