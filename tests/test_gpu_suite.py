@@ -41,6 +41,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
     names = ["precision", "throughput", "recompute", "optimizers", "dynamic_shape", "onnxruntime"]
+    names += ["adapters"]
     assert list(sections) == names
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert result["dry_run"] and result["machine"]["cpu"]
@@ -83,6 +84,10 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     # (On the tiny dry-run shapes the step's end, not its activations, is the peak of the two
     # recomputing modes: equal there.)
     assert estimates["full"] <= estimates["selective"] < estimates["none"], estimates
+    adapters = sections["adapters"]["data"]["rows"]
+    assert list(adapters) == ["full", "lora", "qlora"]  # torchao is here (not on the GPU image)
+    assert adapters["full"]["speed_vs_full"] == adapters["full"]["memory_vs_full"] == 1.0
+    assert adapters["lora"]["trainable"] < 0.05 * adapters["full"]["trainable"]
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 

@@ -18,6 +18,9 @@ Sections (each timed, each failing on its own without stopping the others):
 4. ``dynamic_shape``: fixed vs dynamic-shape batches on a length-skewed corpus: tokens/s.
 5. ``onnxruntime``: a training step with ONNX Runtime (CUDA execution provider where the
    installed build has it) vs eager; skipped, with the reason, where it is not installed.
+6. ``adapters``: a Hugging Face Llama of 1.1B, bf16, 1024 tokens: full fine-tuning, LoRA and
+   QLoRA (rank 16), tokens/s and peak memory against full fine-tuning (QLoRA needs torchao,
+   which the GPU image lacks unless its wheel is carried).
 
 ``--dry-run`` runs the same code on tiny shapes (on a CPU in under two minutes); CI runs it so
 the suite never rots. Writes ``gpu_suite.json`` and ``gpu_suite.md`` to ``--out``; compile
@@ -256,6 +259,73 @@ def onnxruntime_section(dry: bool) -> dict[str, Any]:
     return {"providers": providers, "rows": rows}
 
 
+# ---- 6. adapters ------------------------------------------------------------------------
+ADAPTER_MODES: dict[str, dict[str, Any]] = {
+    "full": {},
+    "lora": {"lora_rank": 16},
+    "qlora": {"lora_rank": 16, "quantize_base": "nf4"},
+}
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
+LLAMA_TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def adapters_section(dry: bool) -> dict[str, Any]:
+    """A Hugging Face Llama of 1.1B (tiny in a dry run), bf16, one sequence of 1024 tokens:
+    tokens/s and peak memory of full fine-tuning, LoRA and QLoRA (rank 16, every linear layer),
+    each against full fine-tuning (the target: LoRA >= 1.2x the tokens/s, <= 0.45x the
+    memory). QLoRA's row is skipped, with the reason, where torchao is not installed."""
+    import importlib.util
+
+    import transformers
+
+    from rapidformer import RapidformerConfig, RapidformerEngine
+    from rapidformer.step_io import StepFunctions
+
+    shape, seq, steps = (LLAMA_TINY, 64, 2) if dry else (LLAMA_1B, 1024, 10)
+    config = transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=seq, **shape)
+    rows: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    for mode, flags in ADAPTER_MODES.items():
+        if "quantize_base" in flags and importlib.util.find_spec("torchao") is None:
+            skipped[mode] = "torchao is not installed here"
+            continue
+        options = {"lr": 1e-4, "precision": "bf16", "log_interval": 10**9, **flags}
+        engine = RapidformerEngine(RapidformerConfig.from_dict(options), builds_optimizer=True)
+        _reset_memory(engine.device)
+        torch.manual_seed(0)
+        state = engine.compose(transformers.LlamaForCausalLM(config))
+        ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(engine.device)
+        functions = StepFunctions(
+            train_step=lambda b, m=state.model: m(input_ids=b, labels=b).loss,
+            weight=lambda b: b.numel(),
+        )
+        for _ in range(2):
+            engine.run_step([ids], functions)
+        _sync(engine.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            loss = engine.run_step([ids], functions).loss_tensor
+        _sync(engine.device)
+        elapsed = time.perf_counter() - started
+        trainable = sum(p.numel() for p in state.parameters if p.requires_grad)
+        rows[mode] = {
+            "tokens_per_s": seq * steps / elapsed,
+            "peak_memory_mb": _peak_mb(engine.device),
+            "trainable": trainable,
+            "loss": float(loss),
+        }
+        engine.close()
+        del state, functions, ids, loss  # the next mode's peak must not hold this one's
+        gc.collect()
+    for values in rows.values():
+        values["speed_vs_full"] = values["tokens_per_s"] / rows["full"]["tokens_per_s"]
+        values["memory_vs_full"] = values["peak_memory_mb"] / rows["full"]["peak_memory_mb"]
+    return {"shape": shape, "seq": seq, "rows": rows, "skipped_rows": skipped}
+
+
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "precision": precision_section,
     "throughput": throughput_section,
@@ -263,6 +333,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "optimizers": optimizer_section,
     "dynamic_shape": dynamic_section,
     "onnxruntime": onnxruntime_section,
+    "adapters": adapters_section,
 }
 
 

@@ -18,7 +18,13 @@ CONFIG = transformers.LlamaConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
 )  # fmt: skip
-OPTIONS = {"lr": 1e-3, "train_iters": 1, "micro_batch_size": 2, "lora_rank": 4, "lora_variant": "dora"}
+OPTIONS = {
+    "lr": 1e-3,
+    "train_iters": 1,
+    "micro_batch_size": 2,
+    "lora_rank": 4,
+    "lora_variant": "dora",
+}
 
 
 def _llama(device: str) -> nn.Module:
