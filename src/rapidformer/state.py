@@ -305,6 +305,9 @@ class FrozenBase:
     adapter_config: dict[str, Any] = field(default_factory=dict)
     """The adapters as PEFT's ``adapter_config.json`` says them (targets as paths): written
     beside the adapter's tensors and into each checkpoint's record."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """The Hugging Face config the run's model had (labels, ``is_decoder``, a pad id the run
+    set), {} for another model: a merged export is built with it."""
 
 
 @dataclass

@@ -163,7 +163,19 @@ def _base_record(state: TrainState) -> dict[str, Any] | None:
     base = state.frozen_base
     if base is None:
         return None
-    return {"source": base.source, "sha256": base.fingerprint, "adapter": base.adapter_config}
+    return {
+        "source": base.source,
+        "sha256": base.fingerprint,
+        "adapter": base.adapter_config,
+        "model_config": base.model_config,
+    }
+
+
+_ADAPTER_KEYS = (
+    "r", "lora_alpha", "use_dora", "use_rslora", "target_modules", "modules_to_save",
+    "fan_in_fan_out",
+)  # fmt: skip
+"""What an adapter computes (adapter_config.json's keys): a resume must make the same."""
 
 
 def _check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
@@ -187,6 +199,16 @@ def _check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
             f"{path} holds adapters trained on another base: it was saved on {saved['source']} "
             f"(sha256 {saved['sha256'][:12]}), this run's base {running['source']} is "
             f"{running['sha256'][:12]}. Resume with the base it was trained on"
+        )
+    differ = [
+        f"{key} {saved['adapter'].get(key)!r} there, {running['adapter'].get(key)!r} here"
+        for key in _ADAPTER_KEYS
+        if saved["adapter"].get(key) != running["adapter"].get(key)
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{path} holds other adapters than this run makes ({'; '.join(differ)}): resume "
+            "with the --lora-* flags it was saved with"
         )
 
 

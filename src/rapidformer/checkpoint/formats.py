@@ -112,6 +112,8 @@ class ConsolidatedFormat:
             model = _single_part(state)
             held = set(saved_part(state, model.state_dict()))
             options = StateDictOptions(full_state_dict=True, strict=state.frozen_base is None)
+            if state.frozen_base is not None:
+                _check_trained_present(state, model_state, directory)
             mine = {k: v for k, v in model_state.items() if k in held}
             set_model_state_dict(model, mine, options=options)
             if state.optimizer is not None:
@@ -233,7 +235,7 @@ def saved_part(state: TrainState, model_state: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in model_state.items() if k in base.trainable}
 
 
-def _load_trained_part(state: TrainState, saved: dict[str, Any], directory: Path) -> None:
+def _check_trained_present(state: TrainState, saved: dict[str, Any], directory: Path) -> None:
     assert state.frozen_base is not None
     missing = sorted(state.frozen_base.trainable - set(saved))
     if missing:
@@ -241,6 +243,10 @@ def _load_trained_part(state: TrainState, saved: dict[str, Any], directory: Path
             f"{directory} lacks {len(missing)} of this run's trained parameters ({missing[0]} "
             "...): it was saved with other adapters or targets"
         )
+
+
+def _load_trained_part(state: TrainState, saved: dict[str, Any], directory: Path) -> None:
+    _check_trained_present(state, saved, directory)
     state.unwrapped_model.load_state_dict(saved, strict=False)
 
 

@@ -310,16 +310,18 @@ class AdapterConfig:
     lora_alpha: float | None = None
     """The adapters' scale numerator: each adds alpha / rank x B(A(x)) (alpha / sqrt(rank) with
     --lora-variant rslora). Default: 2 x --lora-rank."""
-    lora_dropout: float = 0.0
-    """Dropout on the adapters' input (the base sees the input unchanged)."""
-    lora_target_modules: str = "all-linear"
-    """Linear layers that get adapters: all-linear (every linear layer but the output head and
-    the modules to save, as PEFT's all-linear), comma-separated module names (a name matches
-    itself and every module path ending in .name), or a regular expression matched against
-    the whole module path."""
-    lora_variant: LoraVariant = "lora"
-    """lora: alpha / rank scaling; dora: weight-decomposed LoRA (a trained magnitude per output
-    feature, PEFT's use_dora); rslora: rank-stabilised alpha / sqrt(rank) scaling."""
+    lora_dropout: float | None = None
+    """Dropout on the adapters' input (the base sees the input unchanged). Default: 0, or the
+    --lora-adapter's."""
+    lora_target_modules: str | None = None
+    """Linear layers that get adapters: all-linear (the default: every linear layer but the
+    output head and the modules to save, as PEFT's all-linear), comma-separated module names (a
+    name matches itself and every module path ending in .name), or a regular expression matched
+    against the whole module path."""
+    lora_variant: LoraVariant | None = None
+    """lora (the default): alpha / rank scaling; dora: weight-decomposed LoRA (a trained
+    magnitude per output feature, PEFT's use_dora); rslora: rank-stabilised alpha / sqrt(rank)
+    scaling."""
     lora_modules_to_save: str | None = None
     """Comma-separated modules trained in full beside the adapters and saved with them.
     Default: the task's new head (classifier, score, qa_outputs) for sequence and token

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from rapidformer.accel.lora import lora_on
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
 from rapidformer.data.indexed import IndexedDataset
@@ -96,15 +97,16 @@ class Pretrainer(Trainer):
                 )
             )
         adapters = config.adapters
-        if cls.build_model is Pretrainer.build_model and adapters.lora_rank is not None:
+        if cls.build_model is Pretrainer.build_model and lora_on(config):
+            flag = "--lora-rank" if adapters.lora_rank is not None else "--lora-adapter"
             violations.append(
                 Violation(
-                    "--lora-rank",
-                    adapters.lora_rank,
+                    flag,
+                    adapters.lora_rank or adapters.lora_adapter,
                     "the Pretrainer's built-in GPT and BERT do not take adapters yet (they are "
                     "built on the meta device; adapters attach to a materialised model)",
                     "export the checkpoint (python -m rapidformer.export) and fine-tune it "
-                    "with --task causal_lm or masked_lm, or drop --lora-rank",
+                    f"with --task causal_lm or masked_lm, or drop {flag}",
                 )
             )
         return violations

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from rapidformer import Finetuner, parse_args
-from rapidformer.errors import CheckpointError
+from rapidformer.errors import CheckpointError, ConfigError
 from rapidformer.export import main as export_main
 from rapidformer.testing.finetune import task_dataset, tiny_model
 from tests.helpers.trainers import read_losses
@@ -128,8 +128,37 @@ def test_an_adapter_peft_saved_trains_on_with_its_classifier(
     loaded = peft.PeftModel.from_pretrained(auto.from_pretrained(setup["bert"], num_labels=4), save)
     ours = trainer.engine.state.unwrapped_model.eval()  # type: ignore[union-attr]
     with torch.no_grad():
-        gap = (loaded.eval()(input_ids=_ids()).logits - ours(input_ids=_ids()).logits).abs().max()
+        adapted = ours(input_ids=_ids()).logits
+        gap = (loaded.eval()(input_ids=_ids()).logits - adapted).abs().max()
     assert gap.item() <= TOLERANCE
+    # Merged with the run's own config (4 labels, their names), the classifier and pooler in.
+    assert export_main([str(save), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    merged = auto.from_pretrained(tmp_path / "merged").eval()
+    assert merged.config.num_labels == 4 and merged.config.id2label == ours.config.id2label
+    with torch.no_grad():
+        assert (merged(input_ids=_ids()).logits - adapted).abs().max().item() <= TOLERANCE
+
+
+def test_what_an_adapter_cannot_take_is_refused(setup: dict[str, Path], tmp_path: Path) -> None:
+    auto = transformers.AutoModelForCausalLM
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, use_rslora=True)
+    peft.get_peft_model(auto.from_pretrained(setup["llama"]), config).save_pretrained(
+        tmp_path / "both"
+    )
+    with pytest.raises(ConfigError, match="DoRA with rsLoRA's scaling together"):
+        _finetuner(setup["llama"], setup["clm"], "causal_lm", "--train-iters", "1",
+                   "--lora-adapter", str(tmp_path / "both")).fit()  # fmt: skip
+    plain = peft.LoraConfig(r=4, target_modules=["q_proj"])
+    peft.get_peft_model(auto.from_pretrained(setup["llama"]), plain).save_pretrained(
+        tmp_path / "plain"
+    )
+    with pytest.raises(ConfigError, match="--lora-target-modules='v_proj': cannot change"):
+        _finetuner(setup["llama"], setup["clm"], "causal_lm", "--train-iters", "1",
+                   "--lora-adapter", str(tmp_path / "plain"),
+                   "--lora-target-modules", "v_proj").fit()  # fmt: skip
+    with pytest.raises(ConfigError, match="output head .*lm_head.* --fused-lm-loss"):
+        _finetuner(setup["llama"], setup["clm"], "causal_lm", "--train-iters", "1",
+                   "--lora-target-modules", "q_proj,lm_head", "--fused-lm-loss").fit()  # fmt: skip
 
 
 def test_a_resumed_adapter_run_repeats_the_uninterrupted_one_bitwise(
@@ -150,6 +179,11 @@ def test_a_resumed_adapter_run_repeats_the_uninterrupted_one_bitwise(
     b = load_file(again / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+    with pytest.raises(CheckpointError, match=r"other adapters .*lora_alpha 8.0 there, 4.0"):
+        _finetuner(
+            setup["llama"], setup["clm"], "causal_lm", *flags, "--lora-alpha", "4",
+            "--save", str(tmp_path / "alpha"), "--load", str(full / "iter_0000003"),
+        ).fit()  # fmt: skip
     with pytest.raises(CheckpointError, match="adapters trained on another base"):
         _finetuner(
             setup["other_llama"], setup["clm"], "causal_lm", *flags,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import zlib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -46,7 +47,13 @@ from rapidformer.accel.lora.quantize import (
     quantize_base,
     store_frozen,
 )
-from rapidformer.accel.lora.targets import modules_to_save, present_modules, target_paths
+from rapidformer.accel.lora.targets import (
+    ALL_LINEAR,
+    is_output_head,
+    modules_to_save,
+    present_modules,
+    target_paths,
+)
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
@@ -69,46 +76,42 @@ def lora_on(config: RapidformerConfig) -> bool:
 
 
 def settings_of(config: RapidformerConfig) -> AdapterSettings:
-    """The adapters this run trains: from ``--lora-adapter``'s directory when given (flags
-    that contradict it are refused), else from the flags."""
+    """The adapters this run trains: from ``--lora-adapter``'s directory when given, else from
+    the flags. An adapter is trained as it was made: a flag that would change what it computes
+    is refused (its dropout, a training choice, may be set)."""
     adapters = config.adapters
     if adapters.lora_adapter is None:
         assert adapters.lora_rank is not None
         rank = adapters.lora_rank
         alpha = adapters.lora_alpha if adapters.lora_alpha is not None else 2.0 * rank
+        shape = AdapterShape(
+            rank, alpha, adapters.lora_variant or "lora", adapters.lora_dropout or 0.0
+        )
         return AdapterSettings(
-            AdapterShape(rank, alpha, adapters.lora_variant, adapters.lora_dropout),
-            targets=adapters.lora_target_modules,
+            shape,
+            targets=adapters.lora_target_modules or ALL_LINEAR,
             base=config.model.pretrained_model_name_or_path,
         )
     saved = read_settings(adapters.lora_adapter)
     given = {
         "--lora-rank": (adapters.lora_rank, saved.shape.rank),
         "--lora-alpha": (adapters.lora_alpha, saved.shape.alpha),
-        "--lora-variant": (
-            None if adapters.lora_variant == "lora" else adapters.lora_variant,
-            saved.shape.variant,
-        ),
-        "--lora-target-modules": (
-            None if adapters.lora_target_modules == "all-linear" else adapters.lora_target_modules,
-            saved.targets,
-        ),
-        "--lora-modules-to-save": (adapters.lora_modules_to_save, saved.modules_to_save),
+        "--lora-variant": (adapters.lora_variant, saved.shape.variant),
+        "--lora-target-modules": (adapters.lora_target_modules, None),
+        "--lora-modules-to-save": (adapters.lora_modules_to_save, None),
     }
     for flag, (value, theirs) in given.items():
         if value is not None and value != theirs:
+            said = f" ({theirs})" if theirs is not None else ""
             raise ConfigError.single(
-                flag, value, f"contradicts the adapter in {adapters.lora_adapter} ({theirs})",
-                f"drop {flag}: a run that starts from an adapter trains it as it was made",
+                flag, value,
+                f"cannot change the adapter in {adapters.lora_adapter}{said}: a run that starts "
+                "from an adapter trains it as it was made",
+                f"drop {flag}",
             )  # fmt: skip
-    dropout = adapters.lora_dropout or saved.shape.dropout
-    return AdapterSettings(
-        AdapterShape(saved.shape.rank, saved.shape.alpha, saved.shape.variant, dropout),
-        targets=saved.targets,
-        modules_to_save=saved.modules_to_save,
-        base=saved.base,
-        fan_in_fan_out=saved.fan_in_fan_out,
-    )
+    dropout = saved.shape.dropout if adapters.lora_dropout is None else adapters.lora_dropout
+    base = config.model.pretrained_model_name_or_path or saved.base
+    return replace(saved, shape=replace(saved.shape, dropout=dropout), base=base)
 
 
 def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
@@ -132,6 +135,14 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         targets = target_paths(model, settings.targets, saved)
     else:  # an adapter's list of paths (or names), matched as PEFT matches a list
         targets = target_paths(model, ",".join(settings.targets), saved)
+    heads = [t for t in targets if is_output_head(model, t)]
+    if heads and config.memory.fused_lm_loss:
+        raise ConfigError.single(
+            "--lora-target-modules", config.adapters.lora_target_modules or settings.targets,
+            f"puts an adapter on the output head ({', '.join(heads)}), which --fused-lm-loss "
+            "computes from its weight alone: the adapter would never train",
+            "leave the head out of the targets, or drop --fused-lm-loss",
+        )  # fmt: skip
     fingerprint = "" if on_meta else base_fingerprint(model, saved)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
@@ -162,9 +173,16 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         fingerprint=fingerprint,
         source=settings.base or type(model).__name__,
         adapter_config=peft_config(written),
+        model_config=_hugging_face_config(model),
     )
     state.plan.append(_plan_step(model, settings, targets, saved, stored))
     return state
+
+
+def _hugging_face_config(model: nn.Module) -> dict[str, object]:
+    config = getattr(model, "config", None)
+    as_json = getattr(config, "to_json_string", None)
+    return json.loads(as_json()) if callable(as_json) else {}
 
 
 def _store_base(
@@ -223,7 +241,7 @@ def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], sou
     own = dict(model.named_parameters())
     expected = {n for n in own if own[n].requires_grad}
     missing = sorted(expected - set(tensors))
-    unknown = sorted(set(tensors) - set(own))
+    unknown = sorted(set(tensors) - expected)  # frozen base weights are not the adapter's
     wrong = [
         f"{n} is {tuple(t.shape)} there, {tuple(own[n].shape)} in the model"
         for n, t in tensors.items()
@@ -232,7 +250,10 @@ def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], sou
     if missing or unknown or wrong:
         problems = (
             [f"the model's {n} is not in it" for n in missing[:3]]
-            + [f"its {n} is no parameter of {type(model).__name__}" for n in unknown[:3]]
+            + [
+                f"its {n} is no adapter or trained module of {type(model).__name__}"
+                for n in unknown[:3]
+            ]
             + wrong[:3]
         )
         raise ConfigError.single(
@@ -254,7 +275,7 @@ def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
     for name, parameter in model.named_parameters():
         if any(name.startswith(s + ".") for s in saved) or ".lora_" in name:
             continue
-        tensor = parameter.detach().to("cpu").contiguous()
+        tensor = parameter.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -293,7 +314,7 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
     if adapters.lora_alpha is not None and adapters.lora_alpha <= 0:
         yield Violation("--lora-alpha", adapters.lora_alpha, "must be greater than 0",
                         "pass a positive scale, e.g. 2 x --lora-rank")  # fmt: skip
-    if not 0.0 <= adapters.lora_dropout < 1.0:
+    if adapters.lora_dropout is not None and not 0.0 <= adapters.lora_dropout < 1.0:
         yield Violation("--lora-dropout", adapters.lora_dropout,
                         "must be at least 0 and below 1", "pass e.g. 0.05")  # fmt: skip
     flag, value = ("--lora-rank", adapters.lora_rank) if adapters.lora_rank else (

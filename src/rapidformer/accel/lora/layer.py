@@ -196,7 +196,8 @@ def _add_adapter_term(
         plain = output - bias if bias is not None else output
     else:
         plain = F.linear(x, dense_weight(linear).to(x.dtype))
-    return output + (scale - 1) * plain + scale * (scaling * term)
+    # The fp32 magnitude would promote the layer's output: it stays in the base's dtype.
+    return (output + (scale - 1) * plain + scale * (scaling * term)).to(output.dtype)
 
 
 @torch.no_grad()

@@ -48,6 +48,18 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "target_parameters": (None, []),
     "trainable_token_indices": (None,),
     "exclude_modules": (None, []),
+    "alora_invocation_tokens": (None,),
+    "use_bdlora": (None, False),
+    "monteclora_config": (None,),
+    # PiSSA, OLoRA, CorDA, LoftQ ... initialise from the base and change it: not plain LoRA.
+    "init_lora_weights": (True, False, "gaussian"),
+    "loftq_config": ({}, None),
+    "eva_config": (None,),
+    "corda_config": (None,),
+    "lora_ga_config": (None,),
+    "kasa_config": (None,),
+    "arrow_config": (None,),
+    "velora_config": (None,),
 }
 """PEFT options rapidformer's layer does not implement, with the values that leave them off."""
 
@@ -159,6 +171,13 @@ def settings_from(config: Mapping[str, Any], where: str) -> AdapterSettings:
                 "does not implement",
                 "train that adapter with PEFT, or start fresh adapters with --lora-rank",
             )  # fmt: skip
+    if config.get("use_dora") and config.get("use_rslora"):
+        raise ConfigError.single(
+            flag, value,
+            "uses DoRA with rsLoRA's scaling together, which rapidformer's layer does not "
+            "compute (its variants are one or the other)",
+            "train that adapter with PEFT, or start fresh adapters with --lora-rank",
+        )  # fmt: skip
     variant = "dora" if config.get("use_dora") else "rslora" if config.get("use_rslora") else "lora"
     targets = config.get("target_modules")
     if targets is None:

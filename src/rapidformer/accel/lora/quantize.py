@@ -53,6 +53,7 @@ def store_frozen(model: nn.Module, dtype: torch.dtype, *, linear_only: bool) -> 
     with the same rounding, so storing them cast changes no number and halves their memory
     (LoRA under ``--precision bf16/fp16``). Otherwise every frozen parameter (QLoRA: embeddings,
     norms and the head too, as QLoRA keeps them)."""
+    stored: dict[int, nn.Parameter] = {}  # a tied weight (embedding and head) stays one
     with torch.no_grad():
         for module in model.modules():
             if linear_only and not isinstance(module, nn.Linear):
@@ -60,7 +61,9 @@ def store_frozen(model: nn.Module, dtype: torch.dtype, *, linear_only: bool) -> 
             for name, parameter in list(module.named_parameters(recurse=False)):
                 frozen = not parameter.requires_grad and not is_nf4(parameter)
                 if frozen and parameter.is_floating_point() and parameter.dtype != dtype:
-                    setattr(module, name, nn.Parameter(parameter.to(dtype), False))
+                    if id(parameter) not in stored:
+                        stored[id(parameter)] = nn.Parameter(parameter.to(dtype), False)
+                    setattr(module, name, stored[id(parameter)])
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rapidformer.accel.lora.layer import merge
+from rapidformer.accel.lora.layer import is_conv1d, merge
 from rapidformer.accel.lora.peft_format import adapter_tensors, save_adapter, settings_from
 from rapidformer.errors import CheckpointError
 from rapidformer.state import FrozenBase
@@ -67,9 +67,12 @@ def export_adapter(
     import transformers
 
     auto = getattr(transformers, AUTO_CLASSES.get(settings.task_type, "AutoModel"))
-    model = auto.from_pretrained(source, **_head_size(settings.modules_to_save, trained))
-    modules = dict(model.named_modules())
-    state = model.state_dict()
+    kwargs: dict[str, Any] = {}
+    if record.get("model_config"):  # the run's labels, is_decoder, pad id
+        config_class = type(transformers.AutoConfig.from_pretrained(source))
+        kwargs = {"config": config_class.from_dict(record["model_config"]),
+                  "ignore_mismatched_sizes": True}  # fmt: skip
+    model = auto.from_pretrained(source, **kwargs)
     from rapidformer.accel.lora.apply import base_fingerprint
 
     if base_fingerprint(model, list(settings.modules_to_save)) != record["sha256"]:
@@ -77,35 +80,37 @@ def export_adapter(
             f"cannot merge: the model in {source} is not the base the adapters were trained on "
             "(its fingerprint differs); export the adapter without --merge-lora"
         )
-    with torch.no_grad():
-        for path in settings.targets:
-            layer = modules[path]
-            conv1d = settings.fan_in_fan_out
-            weight = layer.weight.t() if conv1d else layer.weight
-            merged = merge(
-                weight,
-                trained[f"{path}.lora_A.weight"],
-                trained[f"{path}.lora_B.weight"],
-                trained.get(f"{path}.lora_magnitude_vector"),
-                settings.shape,
-            ).to(layer.weight.dtype)
-            layer.weight.copy_(merged.t() if conv1d else merged)
-        for name, tensor in trained.items():
-            if any(name.startswith(m + ".") for m in settings.modules_to_save):
-                state[name].copy_(tensor)
+    _fold(model, settings, trained)
     model.save_pretrained(out_dir)
     _copy_tokenizer(source, out_dir)
     return Path(out_dir)
 
 
-def _head_size(saved: tuple[str, ...], trained: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """A classification head's label count, read from its trained weight (the base's config
-    does not know it)."""
-    for module in saved:
-        weight = trained.get(f"{module}.weight")
-        if module.rsplit(".", 1)[-1] in ("classifier", "score") and weight is not None:
-            return {"num_labels": int(weight.shape[0]), "ignore_mismatched_sizes": True}
-    return {}
+@torch.no_grad()
+def _fold(model: Any, settings: Any, trained: Mapping[str, torch.Tensor]) -> None:
+    """The adapters into their layers' weights, the saved modules' tensors into theirs."""
+    modules = dict(model.named_modules())
+    state = model.state_dict()
+    for path in settings.targets:
+        layer = modules[path]
+        conv1d = is_conv1d(layer)  # per layer: GPT-2's Conv1D stores its weight transposed
+        weight = layer.weight.t() if conv1d else layer.weight
+        merged = merge(
+            weight,
+            trained[f"{path}.lora_A.weight"],
+            trained[f"{path}.lora_B.weight"],
+            trained.get(f"{path}.lora_magnitude_vector"),
+            settings.shape,
+        ).to(layer.weight.dtype)
+        layer.weight.copy_(merged.t() if conv1d else merged)
+    for name, tensor in trained.items():
+        if any(name.startswith(m + ".") for m in settings.modules_to_save):
+            if state[name].shape != tensor.shape:
+                raise CheckpointError(
+                    f"cannot merge: the checkpoint's {name} is {tuple(tensor.shape)}, the base "
+                    f"model's {tuple(state[name].shape)}"
+                )
+            state[name].copy_(tensor)
 
 
 def _copy_tokenizer(source: str, out_dir: str | Path) -> None:

@@ -82,10 +82,7 @@ def target_paths(model: nn.Module, spec: str, saved: list[str]) -> list[str]:
     }
     candidates = [p for p in linear_paths(model) if p not in inside_saved]
     if spec == ALL_LINEAR:
-        heads = _output_heads(model)
-        found = [
-            p for p in candidates if p.rsplit(".", 1)[-1] not in OUTPUT_HEADS and p not in heads
-        ]
+        found = [p for p in candidates if not is_output_head(model, p)]
     elif _NAME_LIST.fullmatch(spec):
         names = _split(spec)
         found = [p for p in candidates if any(_matches_name(p, n) for n in names)]
@@ -112,6 +109,11 @@ def linear_names(model: nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (``q_proj``, ``fc1`` ...): what
     an error offers as targets."""
     return sorted({p.rsplit(".", 1)[-1] for p in linear_paths(model)})
+
+
+def is_output_head(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` is the model's output head (by name, or as its output embedding)."""
+    return path.rsplit(".", 1)[-1] in OUTPUT_HEADS or path in _output_heads(model)
 
 
 def _output_heads(model: nn.Module) -> set[str]:
