@@ -26,13 +26,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.lora.layer import (
     AdapterShape,
     adapted_layers,
     attach,
+    base_weight,
     init_adapter,
     is_conv1d,
+    tensor_parallel_style,
 )
 from rapidformer.accel.lora.peft_format import (
     TASK_TYPES,
@@ -135,6 +138,7 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         targets = target_paths(model, settings.targets, saved)
     else:  # an adapter's list of paths (or names), matched as PEFT matches a list
         targets = target_paths(model, ",".join(settings.targets), saved)
+    _check_tensor_parallel(model, targets, settings, mesh)
     heads = [t for t in targets if is_output_head(model, t)]
     if heads and config.memory.fused_lm_loss:
         raise ConfigError.single(
@@ -177,6 +181,36 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
     )
     state.plan.append(_plan_step(model, settings, targets, saved, stored))
     return state
+
+
+def _check_tensor_parallel(
+    model: nn.Module, targets: list[str], settings: AdapterSettings, mesh: ParallelMesh
+) -> None:
+    """Adapters follow the layout a tensor-parallel model arrives in (transformers' tp_plan,
+    applied as the Finetuner loads it): column- and row-parallel layers, LoRA and rsLoRA."""
+    if mesh.dims.tp == 1:
+        return
+    modules = dict(model.named_modules())
+    styles = {path: tensor_parallel_style(base_weight(modules[path])) for path in targets}
+    whole = [path for path, style in styles.items() if style is None]
+    other = [path for path, style in styles.items() if style == "other"]
+    problem = ""
+    if whole:
+        problem = (
+            f"{whole[0]} (and {len(whole) - 1} more) is not sharded when adapters attach: the "
+            "built-in models' plan is applied after them, which is not wired yet"
+        )
+    elif other:
+        problem = f"{other[0]} is sharded neither column- nor row-parallel"
+    elif settings.shape.variant == "dora":
+        problem = "DoRA's weight norms are not computed over tensor-parallel shards yet"
+    if problem:
+        raise ConfigError.single(
+            "--tensor-model-parallel-size", mesh.dims.tp,
+            f"adapters cannot run here: {problem}",
+            "fine-tune a Hugging Face model with its tp_plan (LoRA or rsLoRA), or drop "
+            "--tensor-model-parallel-size (data parallelism and ZeRO run every variant)",
+        )  # fmt: skip
 
 
 def _hugging_face_config(model: nn.Module) -> dict[str, object]:
@@ -275,7 +309,8 @@ def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
     for name, parameter in model.named_parameters():
         if any(name.startswith(s + ".") for s in saved) or ".lora_" in name:
             continue
-        tensor = parameter.detach().to("cpu").contiguous().reshape(-1)
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        tensor = whole.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -319,17 +354,20 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
                         "must be at least 0 and below 1", "pass e.g. 0.05")  # fmt: skip
     flag, value = ("--lora-rank", adapters.lora_rank) if adapters.lora_rank else (
         "--lora-adapter", adapters.lora_adapter)  # fmt: skip
-    not_yet = {
-        "--tensor-model-parallel-size": (context.dims.tp, "tensor parallelism"),
-        "--pipeline-model-parallel-size": (context.dims.pp, "pipeline parallelism"),
-    }
-    for other, (degree, what) in not_yet.items():
-        if degree > 1:
-            yield Violation(
-                flag, value,
-                f"cannot run with {other} {degree}: adapters are not wired into {what} yet",
-                f"drop {other}; data parallelism and ZeRO-1/2/3 run with adapters",
-            )  # fmt: skip
+    if context.dims.pp > 1:
+        yield Violation(
+            flag, value,
+            f"cannot run with --pipeline-model-parallel-size {context.dims.pp}: adapters are "
+            "not wired into pipeline stages yet",
+            "drop --pipeline-model-parallel-size; data and tensor parallelism and ZeRO-1/2/3 "
+            "run with adapters",
+        )  # fmt: skip
+    if context.dims.tp > 1 and adapters.quantize_base is not None:
+        yield Violation(
+            "--quantize-base", adapters.quantize_base,
+            f"cannot run with --tensor-model-parallel-size {context.dims.tp}: NF4 weights are "
+            "not split over tensor-parallel ranks", "drop one of them",
+        )  # fmt: skip
     if adapters.quantize_base is not None and config.precision.precision != "bf16":
         yield Violation(
             "--quantize-base", adapters.quantize_base,

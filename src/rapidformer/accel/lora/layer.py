@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from rapidformer.models.stages import assign_piece
 
@@ -95,10 +98,13 @@ def attach(linear: nn.Module, shape: AdapterShape) -> None:
     """Give ``linear`` an adapter of ``shape``; its values are set by :func:`init_adapter`
     (or loaded). Kept on the device of the layer's weight (the meta device included) and in
     float32, whatever the base's dtype: the adapters and their optimizer state stay fp32."""
-    device = base_weight(linear).device
+    weight = base_weight(linear)
+    device = weight.device
     inputs, outputs = features(linear)
     linear.add_module("lora_A", LoraProjection(inputs, shape.rank, device))
     linear.add_module("lora_B", LoraProjection(shape.rank, outputs, device))
+    if isinstance(weight, DTensor):
+        _shard_factors(linear, weight)
     dropout = nn.Dropout(shape.dropout) if shape.dropout > 0 else nn.Identity()
     linear.add_module("lora_dropout", dropout)
     if shape.variant == "dora":
@@ -106,6 +112,36 @@ def attach(linear: nn.Module, shape: AdapterShape) -> None:
         linear.register_parameter("lora_magnitude_vector", magnitude)
     setattr(linear, SHAPE, shape)  # a plain attribute: read by the hook, merge and save
     linear.register_forward_hook(_add_adapter_term)
+
+
+def tensor_parallel_style(weight: torch.Tensor) -> str | None:
+    """``colwise`` or ``rowwise`` for a weight sharded on the output or input features of a
+    one-dimensional (tensor-parallel) mesh, ``other`` for another layout, None when whole."""
+    if not isinstance(weight, DTensor):
+        return None
+    if len(weight.placements) != 1:
+        return "other"
+    placement = weight.placements[0]
+    if isinstance(placement, Shard):
+        return {0: "colwise", 1: "rowwise"}.get(placement.dim, "other")
+    return "other"
+
+
+def _shard_factors(linear: nn.Module, weight: DTensor) -> None:
+    """The factors as DTensors on the weight's mesh, Megatron's way: a column-parallel layer
+    (output features sharded) keeps A whole and shards B's rows; a row-parallel one (input
+    features sharded) shards A's columns and keeps B whole. FSDP2 then shards them over the
+    data-parallel ranks like the base, and checkpoints gather them like any DTensor."""
+    style = tensor_parallel_style(weight)
+    placements = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate())}
+    if style not in placements:
+        raise ValueError(f"a weight laid out as {weight.placements} takes no adapter")
+    for name, placement in zip(("lora_A", "lora_B"), placements[style], strict=True):
+        factor = linear._modules[name]
+        assert isinstance(factor, LoraProjection)
+        whole = factor.weight
+        local = distribute_tensor(torch.empty_like(whole), weight.device_mesh, [placement])
+        factor.weight = nn.Parameter(local)
 
 
 @dataclass(frozen=True)
@@ -186,6 +222,8 @@ def _add_adapter_term(
 ) -> torch.Tensor:
     adapter = parts(linear)
     x = adapter.dropout(args[0])
+    if isinstance(adapter.a, DTensor):
+        return output + adapter.shape.scaling * _tensor_parallel_term(adapter, x, output)
     term = F.linear(F.linear(x, adapter.a), adapter.b)
     scaling = adapter.shape.scaling
     if adapter.magnitude is None:
@@ -198,6 +236,59 @@ def _add_adapter_term(
         plain = F.linear(x, dense_weight(linear).to(x.dtype))
     # The fp32 magnitude would promote the layer's output: it stays in the base's dtype.
     return (output + (scale - 1) * plain + scale * (scaling * term)).to(output.dtype)
+
+
+def _tensor_parallel_term(adapter: Parts, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``B(A(x))`` of a tensor-parallel layer, on this rank's pieces. The layer's own input and
+    output are plain tensors (transformers' tensor parallelism): a column-parallel layer sees the
+    whole input and gives its shard of the output, a row-parallel one sees its shard of the input
+    and gives the whole (reduced) output."""
+    a, b = adapter.a, adapter.b
+    assert isinstance(a, DTensor) and isinstance(b, DTensor)
+    group = a.device_mesh.get_group()
+    hidden = F.linear(x, a.to_local())
+    if isinstance(b.placements[0], Shard):  # column-parallel: A whole, B's rows sharded
+        hidden = _CopyToRanks.apply(hidden, group)
+    else:  # row-parallel: each rank's columns of A give a partial sum
+        hidden = _SumOverRanks.apply(hidden, group)
+    term = F.linear(hidden, b.to_local())
+    if term.shape != output.shape:
+        raise RuntimeError(
+            f"an adapter's term is {tuple(term.shape)} on this rank and the layer's output "
+            f"{tuple(output.shape)}: its tensor-parallel style is not column- or row-parallel"
+        )
+    return term
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Forward: the same tensor on every rank. Backward: each rank's gradient holds only its
+    output shard's share, so they are summed (Megatron's copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the partial sums of every rank added up. Backward: the gradient, the same on
+    every rank, passes as it is (Megatron's reduce from the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 @torch.no_grad()

@@ -58,8 +58,10 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     for decays in (True, False):
         for dtensor in kinds:
             params = groups.get((decays, dtensor), [])
-            if not params and len(kinds) > 1:
-                continue  # an empty group breaks DCP's per-parameter optimizer state
+            if not params and groups:
+                # An empty group breaks DCP's per-parameter optimizer state (adapters without
+                # a vector to train, for one, leave the no-decay group empty).
+                continue
             if decays:
                 result.append({"params": params, "weight_decay": weight_decay})
             else:
