@@ -1,5 +1,11 @@
-"""Low-rank adapters (LoRA, DoRA, rsLoRA) on a frozen base, in PEFT's format on disk."""
+"""Low-rank adapters (LoRA, DoRA, rsLoRA) on a frozen base, in PEFT's format on disk.
 
-from rapidformer.accel.lora.apply import FEATURE, apply_lora, lora_on
+``apply`` attaches them (``layer``: the adapter on one linear layer; ``targets``: which layers;
+``quantize``: how the frozen base is stored), ``rules`` says where they can run, ``settings``
+what a run trains, ``peft_format`` and ``saving`` read and write them.
+"""
+
+from rapidformer.accel.lora.apply import apply_lora
+from rapidformer.accel.lora.rules import FEATURE, lora_on
 
 __all__ = ["FEATURE", "apply_lora", "lora_on"]

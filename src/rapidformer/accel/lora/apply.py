@@ -17,19 +17,15 @@ base model's. ``--lora-adapter DIR`` starts from an adapter rapidformer or PEFT 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import zlib
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.lora.layer import (
-    AdapterShape,
     adapted_layers,
     attach,
     base_weight,
@@ -41,7 +37,6 @@ from rapidformer.accel.lora.peft_format import (
     TASK_TYPES,
     AdapterSettings,
     peft_config,
-    read_settings,
     read_tensors,
 )
 from rapidformer.accel.lora.quantize import (
@@ -50,71 +45,18 @@ from rapidformer.accel.lora.quantize import (
     quantize_base,
     store_frozen,
 )
+from rapidformer.accel.lora.rules import lora_on
+from rapidformer.accel.lora.settings import settings_of
 from rapidformer.accel.lora.targets import (
-    ALL_LINEAR,
     is_output_head,
     modules_to_save,
     present_modules,
     target_paths,
 )
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
-from rapidformer.errors import ConfigError, Violation
+from rapidformer.errors import ConfigError
 from rapidformer.state import FrozenBase, PlanStep, TrainState
-
-_LORA_FLAGS = (
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "lora_variant",
-    "lora_modules_to_save",
-    "quantize_base",
-)
-
-
-def lora_on(config: RapidformerConfig) -> bool:
-    adapters = config.adapters
-    return adapters.lora_rank is not None or adapters.lora_adapter is not None
-
-
-def settings_of(config: RapidformerConfig) -> AdapterSettings:
-    """The adapters this run trains: from ``--lora-adapter``'s directory when given, else from
-    the flags. An adapter is trained as it was made: a flag that would change what it computes
-    is refused (its dropout, a training choice, may be set)."""
-    adapters = config.adapters
-    if adapters.lora_adapter is None:
-        assert adapters.lora_rank is not None
-        rank = adapters.lora_rank
-        alpha = adapters.lora_alpha if adapters.lora_alpha is not None else 2.0 * rank
-        shape = AdapterShape(
-            rank, alpha, adapters.lora_variant or "lora", adapters.lora_dropout or 0.0
-        )
-        return AdapterSettings(
-            shape,
-            targets=adapters.lora_target_modules or ALL_LINEAR,
-            base=config.model.pretrained_model_name_or_path,
-        )
-    saved = read_settings(adapters.lora_adapter)
-    given = {
-        "--lora-rank": (adapters.lora_rank, saved.shape.rank),
-        "--lora-alpha": (adapters.lora_alpha, saved.shape.alpha),
-        "--lora-variant": (adapters.lora_variant, saved.shape.variant),
-        "--lora-target-modules": (adapters.lora_target_modules, None),
-        "--lora-modules-to-save": (adapters.lora_modules_to_save, None),
-    }
-    for flag, (value, theirs) in given.items():
-        if value is not None and value != theirs:
-            said = f" ({theirs})" if theirs is not None else ""
-            raise ConfigError.single(
-                flag, value,
-                f"cannot change the adapter in {adapters.lora_adapter}{said}: a run that starts "
-                "from an adapter trains it as it was made",
-                f"drop {flag}",
-            )  # fmt: skip
-    dropout = saved.shape.dropout if adapters.lora_dropout is None else adapters.lora_dropout
-    base = config.model.pretrained_model_name_or_path or saved.base
-    return replace(saved, shape=replace(saved.shape, dropout=dropout), base=base)
 
 
 def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
@@ -335,70 +277,3 @@ def _plan_step(
         f"({100 * trainable / max(total, 1):.2f}%), frozen {total - trainable:,}; base stored "
         f"as {', '.join(dtypes) or '-'}{stored}",
     )
-
-
-def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    adapters = config.adapters
-    if not lora_on(config):
-        for name in _LORA_FLAGS:
-            value = getattr(adapters, name)
-            if value != getattr(type(adapters)(), name):
-                flag = "--" + name.replace("_", "-")
-                yield Violation(flag, value, "needs adapters: LoRA is off", "add --lora-rank R")
-        return
-    if adapters.lora_alpha is not None and adapters.lora_alpha <= 0:
-        yield Violation("--lora-alpha", adapters.lora_alpha, "must be greater than 0",
-                        "pass a positive scale, e.g. 2 x --lora-rank")  # fmt: skip
-    if adapters.lora_dropout is not None and not 0.0 <= adapters.lora_dropout < 1.0:
-        yield Violation("--lora-dropout", adapters.lora_dropout,
-                        "must be at least 0 and below 1", "pass e.g. 0.05")  # fmt: skip
-    flag, value = ("--lora-rank", adapters.lora_rank) if adapters.lora_rank else (
-        "--lora-adapter", adapters.lora_adapter)  # fmt: skip
-    if context.dims.pp > 1:
-        yield Violation(
-            flag, value,
-            f"cannot run with --pipeline-model-parallel-size {context.dims.pp}: adapters are "
-            "not wired into pipeline stages yet",
-            "drop --pipeline-model-parallel-size; data and tensor parallelism and ZeRO-1/2/3 "
-            "run with adapters",
-        )  # fmt: skip
-    if context.dims.tp > 1 and adapters.quantize_base is not None:
-        yield Violation(
-            "--quantize-base", adapters.quantize_base,
-            f"cannot run with --tensor-model-parallel-size {context.dims.tp}: NF4 weights are "
-            "not split over tensor-parallel ranks", "drop one of them",
-        )  # fmt: skip
-    if adapters.quantize_base is not None and config.precision.precision != "bf16":
-        yield Violation(
-            "--quantize-base", adapters.quantize_base,
-            f"needs --precision bf16 (this run: {config.precision.precision}): the layers it "
-            "cannot quantise are stored in bf16", "add --precision bf16",
-        )  # fmt: skip
-    quantizes_here = adapters.quantize_base is not None and context.on_this_machine
-    if quantizes_here and importlib.util.find_spec("torchao") is None:
-        yield Violation(
-            "--quantize-base", adapters.quantize_base, "needs torchao (its NF4 tensor)",
-            "pip install 'torchao>=0.18'",
-        )  # fmt: skip
-    if config.graph.onnx_runtime_training:
-        yield Violation(flag, value, "cannot run with --onnx-runtime-training: the exported "
-                        "graph has no adapters", "drop --onnx-runtime-training")  # fmt: skip
-    if adapters.lora_adapter is not None and context.on_this_machine:
-        path = Path(adapters.lora_adapter)
-        if not (path / "adapter_config.json").is_file():
-            yield Violation(
-                "--lora-adapter", adapters.lora_adapter,
-                "holds no adapter_config.json" if path.is_dir() else "no such directory",
-                "pass a directory written by rapidformer or PEFT's save_pretrained",
-            )  # fmt: skip
-
-
-FEATURE = Feature(
-    "adapters",
-    flags=("--lora-rank", "--lora-adapter", *("--" + f.replace("_", "-") for f in _LORA_FLAGS)),
-    rules=rules,
-    switched_on=lambda config: (
-        (config.adapters.lora_rank or config.adapters.lora_adapter) if lora_on(config) else None
-    ),
-    refused_on={"deepspeed": "DeepSpeed's engine is not given the adapters' frozen base yet"},
-)
