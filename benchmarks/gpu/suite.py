@@ -67,6 +67,18 @@ def _peak_mb(device: torch.device) -> float:
     return peak_memory_bytes(device) / 2**20
 
 
+def _timed_steps(engine: Any, batch: Any, functions: Any, steps: int) -> tuple[float, Any]:
+    """Two warm-up steps, then ``steps`` timed ones; (seconds, the last loss tensor)."""
+    for _ in range(2):
+        engine.run_step([batch], functions)
+    _sync(engine.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = engine.run_step([batch], functions).loss_tensor
+    _sync(engine.device)
+    return time.perf_counter() - started, loss
+
+
 # ---- 1. precision ------------------------------------------------------------------------
 def precision_section(dry: bool) -> dict[str, Any]:
     import precision
@@ -137,14 +149,7 @@ def recompute_section(dry: bool) -> dict[str, Any]:
             ),
             weight=lambda b: b.shape[0],
         )
-        for _ in range(2):
-            engine.run_step([ids], functions)
-        _sync(engine.device)
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss = engine.run_step([ids], functions).loss_tensor
-        _sync(engine.device)
-        elapsed = time.perf_counter() - started
+        elapsed, loss = _timed_steps(engine, ids, functions, steps)
         measured = _peak_mb(engine.device)
         estimate = _dry_run_mb(config, row, seq, vocab)
         rows[name] = {
@@ -302,14 +307,7 @@ def adapters_section(dry: bool) -> dict[str, Any]:
             train_step=lambda b, m=state.model: m(input_ids=b, labels=b).loss,
             weight=lambda b: b.numel(),
         )
-        for _ in range(2):
-            engine.run_step([ids], functions)
-        _sync(engine.device)
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss = engine.run_step([ids], functions).loss_tensor
-        _sync(engine.device)
-        elapsed = time.perf_counter() - started
+        elapsed, loss = _timed_steps(engine, ids, functions, steps)
         trainable = sum(p.numel() for p in state.parameters if p.requires_grad)
         rows[mode] = {
             "tokens_per_s": seq * steps / elapsed,

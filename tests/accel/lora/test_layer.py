@@ -96,7 +96,7 @@ def test_outputs_and_gradients_match_peft_on_the_same_initialisation(
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     their_logits, their_grads = _trainable_grads(theirs, ids)
     our_logits, our_grads = _trainable_grads(ours, ids)
-    assert (their_logits - their_logits).abs().max() == 0  # nothing NaN
+    assert torch.isfinite(their_logits).all() and their_logits.abs().max() > 0
     assert (our_logits - their_logits).abs().max().item() <= TOLERANCE
     assert our_grads.keys() == their_grads.keys()
     assert len(our_grads) == 14 * (3 if options.get("use_dora") else 2)
