@@ -7,7 +7,8 @@ tokenizer, ready for ``transformers.AutoModelForCausalLM`` (GPT) or
 ``BertForPreTraining.from_pretrained`` (BERT). For a checkpoint of adapters (``--lora-rank``)
 it holds PEFT's adapter directory (``PeftModel.from_pretrained(base, OUT_DIR)``), or with
 ``--merge-lora`` the base model with the adapters folded into its weights (a plain Hugging Face
-model directory, the base read from where the run read it).
+model directory, the base read from where the run read it: the Hugging Face directory, or for
+the built-in GPT and BERT their ``--pretrained-checkpoint``, exported as above).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rapidformer import safe_load
-from rapidformer.accel.lora.saving import export_adapter
+from rapidformer.accel.lora.saving import export_adapter, merge_into
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
@@ -53,13 +54,14 @@ def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Pa
             f"{path / PROGRESS} holds no config: it was not written by a rapidformer Trainer"
         )
     adapters = record.get("frozen_base")
-    if adapters is not None:
+    config = RapidformerConfig.from_dict(record["config"])
+    built_in = config.data.tokenizer_type is not None  # the Pretrainer's GPT or BERT
+    if adapters is not None and not (merge_lora and built_in):
         return export_adapter(
             adapters, consolidated_model_state(path), out_dir, merge_lora=merge_lora
         )
-    if merge_lora:
+    if merge_lora and adapters is None:
         raise CheckpointError(f"{path} holds no adapters (it was not trained with --lora-rank)")
-    config = RapidformerConfig.from_dict(record["config"])
     data = config.data
     if data.tokenizer_type is None or data.vocab_file is None:
         raise CheckpointError(
@@ -69,7 +71,18 @@ def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Pa
     tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
     family = family_for(data.tokenizer_type)
     model = family.build_model(config, tokenizer.vocab_size, device="cpu")
-    model.load_state_dict(consolidated_model_state(path))
+    if adapters is None:
+        model.load_state_dict(consolidated_model_state(path))
+    else:  # the base from its --pretrained-checkpoint, the adapters folded in
+        base = find_checkpoint(adapters["source"])
+        if base is None:
+            raise CheckpointError(
+                f"cannot merge: the base the adapters were trained on ({adapters['source']}, "
+                "their --pretrained-checkpoint) holds no checkpoint here; copy it back there, "
+                "or export the adapter without --merge-lora"
+            )
+        model.load_state_dict(consolidated_model_state(base))
+        merge_into(model, adapters, consolidated_model_state(path))
     return family.export(model, out_dir, tokenizer)
 
 

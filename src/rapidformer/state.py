@@ -293,13 +293,15 @@ class GradientSync:
 @dataclass(frozen=True)
 class FrozenBase:
     """A run that trains adapters on a frozen base (``--lora-rank``). Written by
-    ``apply_lora`` alone; checkpoints write only ``trainable`` and record the base by its
-    fingerprint."""
+    ``apply_lora``, and by ``--pretrained-checkpoint`` where the base comes from (a model built
+    on the meta device has its base only then); checkpoints write only ``trainable`` and record
+    the base by its fingerprint."""
 
     trainable: frozenset[str]
     """Names of the parameters that train (adapters and modules trained in full)."""
     fingerprint: str
-    """SHA-256 of the base's parameters before adapters ("" in a dry run)."""
+    """SHA-256 of the base's parameters before adapters ("" in a dry run, and until
+    ``--pretrained-checkpoint`` is read)."""
     source: str
     """Where the base came from (its directory, else its class)."""
     adapter_config: dict[str, Any] = field(default_factory=dict)

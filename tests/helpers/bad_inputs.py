@@ -414,9 +414,14 @@ CASES = [
         ("--quantize-base='nf4'", "LoRA is off"),
     ),
     Case(
-        "lora-on-the-built-in-models",
+        "lora-on-the-built-in-models-without-a-base",
         lambda i: [*PRETRAIN, *i.data, "--lora-rank", "4"],
-        ("--lora-rank=4", "built-in GPT and BERT do not take adapters yet", "Fix: export"),
+        ("--lora-rank=4", "need a base to adapt", "Fix: pass the base as --pretrained-checkpoint"),
+    ),
+    Case(
+        "pretrained-checkpoint-missing",
+        lambda i: [*PRETRAIN, *i.data, "--pretrained-checkpoint", str(i.root / "none")],
+        ("--pretrained-checkpoint", "no such directory"),
     ),
     Case(
         "quantize-base-needs-bf16",

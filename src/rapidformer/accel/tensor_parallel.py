@@ -46,6 +46,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from rapidformer.accel.lora.aside import adapters_set_aside
+from rapidformer.accel.lora.layer import follow_tensor_parallel
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
@@ -150,7 +152,11 @@ def apply_tensor_parallel(
                 f"{type(part).__name__}'s tensor-parallel plan has no sequence-parallel regions",
                 "drop --sequence-parallel (the built-in GPT supports it)",
             )
-        parallelize_module(part, tp_mesh, resolve_plan(part, plan, sequence_parallel))
+        # Adapters (already on the layers) are split by their own rule, not the weight's.
+        with adapters_set_aside(part) as adapted:
+            parallelize_module(part, tp_mesh, resolve_plan(part, plan, sequence_parallel))
+        for layer in adapted.values():
+            follow_tensor_parallel(layer)
         tie = getattr(part, "tie_weights", None)
         if callable(tie):
             tie()  # DTensor Parameters replaced the tied one

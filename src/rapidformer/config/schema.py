@@ -354,6 +354,11 @@ class CheckpointConfig:
     already holds a checkpoint resumes from it."""
     load: str | None = None
     """Checkpoint directory (or one iteration inside it) to resume from."""
+    pretrained_checkpoint: str | None = None
+    """A whole model's checkpoint (a --save directory, or one iteration inside it) whose
+    weights a fresh run starts from, with a fresh optimizer at step 0: continued pretraining,
+    or the frozen base that --lora-rank adapts on the Pretrainer's built-in models. Read again
+    on every resume (a checkpoint of adapters holds no base)."""
     save_interval: int | None = None
     """Save every this many steps; a final checkpoint is always saved when --save is set, and
     one at the step reached when a stop signal (SIGTERM, SIGINT, SIGUSR1) arrives."""

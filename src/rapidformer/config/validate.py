@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from rapidformer.config.fields import all_fields
@@ -298,14 +299,44 @@ def _trust(config: RapidformerConfig, context: RunContext) -> Iterator[Violation
             "only a Hugging Face model (--pretrained-model-name-or-path) ships code to run",
             "drop --trust-remote-code",
         )
-    loads = (checkpoint.load, checkpoint.save, model.pretrained_model_name_or_path)
+    loads = (
+        checkpoint.load,
+        checkpoint.save,
+        checkpoint.pretrained_checkpoint,
+        model.pretrained_model_name_or_path,
+    )
     if checkpoint.trust_checkpoint and all(source is None for source in loads):
         yield Violation(
             "--trust-checkpoint",
             True,
-            "this run loads no checkpoint (no --load, --save or --pretrained-model-name-or-path)",
+            "this run loads no checkpoint (no --load, --save, --pretrained-checkpoint or "
+            "--pretrained-model-name-or-path)",
             "drop --trust-checkpoint",
         )
+
+
+def _pretrained_checkpoint(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """The weights a fresh run starts from: read by the Trainer, which owns resuming."""
+    source = config.checkpoint.pretrained_checkpoint
+    if source is None:
+        return
+    if not context.runs_loop:
+        yield Violation(
+            "--pretrained-checkpoint", source,
+            "only a Trainer's fit() reads it; a hand-written loop would ignore it",
+            "load the weights yourself, or train through a Trainer",
+        )  # fmt: skip
+    if config.moe.moe_use_upcycling:
+        yield Violation(
+            "--pretrained-checkpoint", source,
+            "cannot be combined with --moe-use-upcycling, which starts from the dense "
+            "checkpoint at --load", "pass the dense checkpoint as --load only",
+        )  # fmt: skip
+    if context.on_this_machine and not Path(source).is_dir():
+        yield Violation(
+            "--pretrained-checkpoint", source, "no such directory",
+            "pass the --save directory of a finished run, or one of its iter_* directories",
+        )  # fmt: skip
 
 
 GENERAL_RULES: tuple[Rule, ...] = (
@@ -320,5 +351,6 @@ GENERAL_RULES: tuple[Rule, ...] = (
     _not_available,
     _planning,
     _trust,
+    _pretrained_checkpoint,
 )
 """The rules that concern no single acceleration."""

@@ -97,16 +97,17 @@ class Pretrainer(Trainer):
                 )
             )
         adapters = config.adapters
-        if cls.build_model is Pretrainer.build_model and lora_on(config):
+        built_in = cls.build_model is Pretrainer.build_model
+        if built_in and lora_on(config) and config.checkpoint.pretrained_checkpoint is None:
             flag = "--lora-rank" if adapters.lora_rank is not None else "--lora-adapter"
             violations.append(
                 Violation(
                     flag,
                     adapters.lora_rank or adapters.lora_adapter,
-                    "the Pretrainer's built-in GPT and BERT do not take adapters yet (they are "
-                    "built on the meta device; adapters attach to a materialised model)",
-                    "export the checkpoint (python -m rapidformer.export) and fine-tune it "
-                    f"with --task causal_lm or masked_lm, or drop {flag}",
+                    "adapters need a base to adapt, and the built-in model would start from a "
+                    "random initialisation",
+                    "pass the base as --pretrained-checkpoint (a finished pretraining run's "
+                    "--save directory)",
                 )
             )
         return violations

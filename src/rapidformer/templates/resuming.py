@@ -5,10 +5,13 @@ wrote it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rapidformer.accel.lora.apply import start_adapters
 from rapidformer.checkpoint import PROGRESS, find_checkpoint, load_checkpoint
+from rapidformer.checkpoint.pretrained import load_pretrained
 from rapidformer.checkpoint.upcycle import load_upcycled
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import CheckpointError
@@ -21,6 +24,8 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     """Restore ``state`` from the checkpoint the flags name (``--save`` resumes itself,
     else ``--load``) and return the progress to continue from; a fresh Progress without."""
     checkpoints = config.checkpoint
+    if checkpoints.pretrained_checkpoint is not None:
+        _start_from(checkpoints.pretrained_checkpoint, state, config, main)
     resumable = find_checkpoint(checkpoints.save) if checkpoints.save else None
     if resumable is not None:
         # The run's own checkpoint wins over --load: rerunning a preempted command that
@@ -49,6 +54,19 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     grouped = config.data.data_iterator == "dynamic-shape"
     consumed = consumed_here(saved, config.data.micro_batch_size, dp, grouped)
     return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
+
+
+def _start_from(source: str, state: TrainState, config: RapidformerConfig, main: bool) -> None:
+    """The whole model's weights at ``source``: where a fresh run starts, and under adapters the
+    frozen base every resume needs again (their checkpoints hold no base)."""
+    sha256 = load_pretrained(state, source)
+    if state.frozen_base is not None:
+        state.frozen_base = replace(state.frozen_base, fingerprint=sha256, source=source)
+        # The adapters' own start, on the base now in place (DoRA's magnitude is its norms).
+        for part in state.model_parts:
+            start_adapters(part, config)
+    if main:
+        log.info("weights from --pretrained-checkpoint %s", source)
 
 
 def _upcycle_from(config: RapidformerConfig, state: TrainState, main: bool) -> Progress:

@@ -1,7 +1,8 @@
 """Low-rank adapters (LoRA, DoRA, rsLoRA) on a frozen base, in PEFT's format on disk.
 
 ``apply`` attaches them (``layer``: the adapter on one linear layer; ``targets``: which layers;
-``quantize``: how the frozen base is stored), ``rules`` says where they can run, ``settings``
+``quantize``: how the frozen base is stored), ``aside`` takes them off while code that knows
+only the base splits or initialises a model, ``rules`` says where they can run, ``settings``
 what a run trains, ``peft_format`` and ``saving`` read and write them.
 """
 

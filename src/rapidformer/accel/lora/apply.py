@@ -16,9 +16,11 @@ base model's. ``--lora-adapter DIR`` starts from an adapter rapidformer or PEFT 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import zlib
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.lora.layer import (
+    ADAPTER_PARAMETER,
     adapted_layers,
     attach,
     base_weight,
@@ -56,6 +59,7 @@ from rapidformer.accel.lora.targets import (
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
+from rapidformer.models.stages import assign_piece
 from rapidformer.state import FrozenBase, PlanStep, TrainState
 
 
@@ -65,12 +69,12 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
     settings = settings_of(config)
     (model,) = state.model_parts  # pipeline parallelism is refused by the rules
     on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta and not config.planning.dry_run:
+    if on_meta and not config.planning.dry_run and config.checkpoint.pretrained_checkpoint is None:
         raise ConfigError.single(
             "--lora-rank", config.adapters.lora_rank,
             f"{type(model).__name__} is built on the meta device (as the Pretrainer's built-in "
-            "GPT and BERT are) and adapters are attached to a materialised model",
-            "fine-tune a Hugging Face model with the Finetuner, or build the model on a device",
+            "GPT and BERT are): its weights would be a random initialisation, not a base to adapt",
+            "pass the base as --pretrained-checkpoint (a finished run's checkpoint)",
         )  # fmt: skip
     if settings.modules_to_save:  # an adapter's
         saved = present_modules(model, settings.modules_to_save)
@@ -80,7 +84,7 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         targets = target_paths(model, settings.targets, saved)
     else:  # an adapter's list of paths (or names), matched as PEFT matches a list
         targets = target_paths(model, ",".join(settings.targets), saved)
-    _check_tensor_parallel(model, targets, settings, mesh)
+    _check_tensor_parallel(model, targets, settings, config, mesh)
     heads = [t for t in targets if is_output_head(model, t)]
     if heads and config.memory.fused_lm_loss:
         raise ConfigError.single(
@@ -97,12 +101,9 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         attach(modules[path], settings.shape)
     for path in saved:
         modules[path].requires_grad_(True)
-    stored = _store_base(model, config, mesh, on_meta)
-    if not on_meta:
-        _initialise(model, config)
-        if config.adapters.lora_adapter is not None:
-            source = config.adapters.lora_adapter
-            load_adapter_tensors(model, read_tensors(source), source)
+    stored = _store_base(model, config, mesh)
+    if not on_meta:  # else once materialised (a model's own init knows only its base)
+        start_adapters(model, config)
     if config.graph.torch_compile:
         _blocks_see_gradient_inputs(model)
     trainable = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
@@ -126,33 +127,54 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
 
 
 def _check_tensor_parallel(
-    model: nn.Module, targets: list[str], settings: AdapterSettings, mesh: ParallelMesh
+    model: nn.Module,
+    targets: list[str],
+    settings: AdapterSettings,
+    config: RapidformerConfig,
+    mesh: ParallelMesh,
 ) -> None:
-    """Adapters follow the layout a tensor-parallel model arrives in (transformers' tp_plan,
-    applied as the Finetuner loads it): column- and row-parallel layers, LoRA and rsLoRA."""
+    """Adapters follow column- and row-parallel layers, LoRA and rsLoRA: a layout the model
+    arrives in (transformers' tp_plan, applied as the Finetuner loads it), or one its own
+    ``tp_plan`` gives it after the adapters attach (the built-in models)."""
     if mesh.dims.tp == 1:
         return
     modules = dict(model.named_modules())
     styles = {path: tensor_parallel_style(base_weight(modules[path])) for path in targets}
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and all(style is None for style in styles.values()):
+        styles = {path: _planned_style(path, plan) for path in targets}
     whole = [path for path, style in styles.items() if style is None]
     other = [path for path, style in styles.items() if style == "other"]
     problem = ""
-    if whole:
-        problem = (
-            f"{whole[0]} (and {len(whole) - 1} more) is not sharded when adapters attach: the "
-            "built-in models' plan is applied after them, which is not wired yet"
-        )
+    if whole and not isinstance(plan, dict):
+        problem = f"{whole[0]} (and {len(whole) - 1} more) is not sharded"
     elif other:
         problem = f"{other[0]} is sharded neither column- nor row-parallel"
     elif settings.shape.variant == "dora":
         problem = "DoRA's weight norms are not computed over tensor-parallel shards yet"
+    elif config.parallel.sequence_parallel:
+        problem = (
+            "with --sequence-parallel a row-parallel layer gives a shard of the sequence, and "
+            "an adapter's term is computed for the whole of it"
+        )
     if problem:
         raise ConfigError.single(
             "--tensor-model-parallel-size", mesh.dims.tp,
             f"adapters cannot run here: {problem}",
-            "fine-tune a Hugging Face model with its tp_plan (LoRA or rsLoRA), or drop "
-            "--tensor-model-parallel-size (data parallelism and ZeRO run every variant)",
+            "use LoRA or rsLoRA on column- and row-parallel layers (without "
+            "--sequence-parallel), or drop --tensor-model-parallel-size (data parallelism and "
+            "ZeRO run every variant)",
         )  # fmt: skip
+
+
+def _planned_style(path: str, plan: dict[str, str]) -> str | None:
+    """What a built-in ``tp_plan`` will make of the layer at ``path``: colwise, rowwise,
+    ``other`` (the vocabulary-parallel head), or None (it stays whole on every rank)."""
+    kinds = {kind for pattern, kind in plan.items() if fnmatch.fnmatchcase(path, pattern)}
+    for kind in ("colwise", "rowwise"):
+        if kind in kinds:
+            return kind
+    return "other" if kinds & {"vocab_logits", "vocab_parallel"} else None
 
 
 def _hugging_face_config(model: nn.Module) -> dict[str, object]:
@@ -161,19 +183,17 @@ def _hugging_face_config(model: nn.Module) -> dict[str, object]:
     return json.loads(as_json()) if callable(as_json) else {}
 
 
-def _store_base(
-    model: nn.Module, config: RapidformerConfig, mesh: ParallelMesh, on_meta: bool
-) -> str:
+def _store_base(model: nn.Module, config: RapidformerConfig, mesh: ParallelMesh) -> str:
     """How the frozen base is stored (before the adapters' values are set: DoRA's magnitude
-    starts at the norms of the weights its forward reads); returns what the plan says of it."""
+    starts at the norms of the weights its forward reads); returns what the plan says of it.
+    On the meta device (a dry run) NF4 quantises too: its tensor has the same parts, so the
+    dry run counts the bytes the run holds."""
     if config.adapters.quantize_base is None:
         autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.precision.precision)
         if autocast is not None:
             # Frozen linear weights in the autocast dtype: the matmuls cast them so anyway.
             store_frozen(model, autocast, linear_only=True)
         return ""
-    if on_meta:
-        return "; NF4 not simulated on the meta device: the base is counted unquantised"
     sharded = config.memory.sharding in ("zero2", "zero3")
     quantised, kept = quantize_base(adapted_layers(model), mesh.dims.dp if sharded else 1)
     store_frozen(model, torch.bfloat16, linear_only=False)
@@ -205,10 +225,15 @@ def _needs_gradient(module: nn.Module, args: object, output: torch.Tensor) -> to
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
 
-def _initialise(model: nn.Module, config: RapidformerConfig) -> None:
+def start_adapters(model: nn.Module, config: RapidformerConfig) -> None:
+    """The adapters' first values: the ``--lora-adapter``'s, else fresh ones drawn from a
+    generator seeded by ``--seed`` and the layer's path (the same values on any layout)."""
     for path, layer in adapted_layers(model).items():
         seed = (config.training.seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
         init_adapter(layer, torch.Generator().manual_seed(seed))
+    source = config.adapters.lora_adapter
+    if source is not None:
+        load_adapter_tensors(model, read_tensors(source), source)
 
 
 def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -240,21 +265,28 @@ def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], sou
         )  # fmt: skip
     with torch.no_grad():
         for name, tensor in tensors.items():
-            own[name].copy_(tensor)
+            assign_piece(own[name], tensor.to(own[name].dtype))
 
 
 def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
-    """SHA-256 over the names, shapes, dtypes and bytes of the frozen base's parameters (not
-    the modules trained in full: a new head starts random, and checkpoints hold it): a
-    checkpoint of adapters refuses to resume on another base."""
+    """SHA-256 of the frozen base's parameters (not the modules trained in full: a new head
+    starts random, and checkpoints hold it): a checkpoint of adapters refuses to resume on
+    another base."""
+    return fingerprint(
+        (name, parameter.full_tensor() if isinstance(parameter, DTensor) else parameter)
+        for name, parameter in model.named_parameters()
+        if not any(name.startswith(s + ".") for s in saved) and ADAPTER_PARAMETER not in name
+    )
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over the names, shapes, dtypes and bytes of whole tensors, in the given order
+    (one tensor at a time: a generator gathers each sharded weight only when it is hashed)."""
     digest = hashlib.sha256()
-    for name, parameter in model.named_parameters():
-        if any(name.startswith(s + ".") for s in saved) or ".lora_" in name:
-            continue
-        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        tensor = whole.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    for name, tensor in named:
+        whole = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(whole.shape)}:{whole.dtype};".encode())
+        digest.update(whole.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -38,7 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from rapidformer.distributed.tensors import local_part
 from rapidformer.models.stages import assign_piece
+
+ADAPTER_PARAMETER = ".lora_"
+"""What names an adapter's parameter (``q_proj.lora_A.weight``): no base model holds one."""
 
 SHAPE = "lora_shape"
 """The attribute holding an adapted layer's :class:`AdapterShape`."""
@@ -139,9 +143,24 @@ def _shard_factors(linear: nn.Module, weight: DTensor) -> None:
     for name, placement in zip(("lora_A", "lora_B"), placements[style], strict=True):
         factor = linear._modules[name]
         assert isinstance(factor, LoraProjection)
-        whole = factor.weight
-        local = distribute_tensor(torch.empty_like(whole), weight.device_mesh, [placement])
+        whole = factor.weight.detach()  # its values kept: each rank takes its piece
+        local = distribute_tensor(whole, weight.device_mesh, [placement])
         factor.weight = nn.Parameter(local)
+
+
+def follow_tensor_parallel(linear: nn.Module) -> None:
+    """Re-lay an adapter whose layer was just split by torch's tensor-parallel styles (the
+    built-in models' plan, applied with the adapters set aside): its factors sharded to match
+    the weight, and its hook moved after the style's, so that it sees what a Hugging Face
+    tensor-parallel layer gives: the layer's local output (a column shard, or the reduced
+    whole), and an input it takes the local piece of."""
+    weight = base_weight(linear)
+    if isinstance(weight, DTensor):
+        _shard_factors(linear, weight)
+    hooks = linear._forward_hooks
+    for key in [k for k, hook in hooks.items() if hook is _add_adapter_term]:
+        del hooks[key]
+    linear.register_forward_hook(_add_adapter_term)
 
 
 @dataclass(frozen=True)
@@ -190,7 +209,9 @@ def init_adapter(linear: nn.Module, generator: torch.Generator) -> None:
     assign_piece(adapter.a, values)
     adapter.b.zero_()
     if adapter.magnitude is not None:
-        adapter.magnitude.copy_(torch.linalg.norm(dense_weight(linear).float(), dim=1))
+        weight = dense_weight(linear)
+        whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        assign_piece(adapter.magnitude, torch.linalg.norm(whole.float(), dim=1))
 
 
 def base_weight(linear: nn.Module) -> torch.Tensor:
@@ -221,7 +242,8 @@ def _add_adapter_term(
     linear: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor
 ) -> torch.Tensor:
     adapter = parts(linear)
-    x = adapter.dropout(args[0])
+    # A DTensor under torch's tensor-parallel styles: the adapter works on its local piece.
+    x = adapter.dropout(local_part(args[0]))
     if isinstance(adapter.a, DTensor):
         return output + adapter.shape.scaling * _tensor_parallel_term(adapter, x, output)
     term = F.linear(F.linear(x, adapter.a), adapter.b)

@@ -73,17 +73,26 @@ def export_adapter(
         kwargs = {"config": config_class.from_dict(record["model_config"]),
                   "ignore_mismatched_sizes": True}  # fmt: skip
     model = auto.from_pretrained(source, **kwargs)
-    from rapidformer.accel.lora.apply import base_fingerprint
-
-    if base_fingerprint(model, list(settings.modules_to_save)) != record["sha256"]:
-        raise CheckpointError(
-            f"cannot merge: the model in {source} is not the base the adapters were trained on "
-            "(its fingerprint differs); export the adapter without --merge-lora"
-        )
-    _fold(model, settings, trained)
+    merge_into(model, record, trained)
     model.save_pretrained(out_dir)
     _copy_tokenizer(source, out_dir)
     return Path(out_dir)
+
+
+def merge_into(
+    model: torch.nn.Module, record: Mapping[str, Any], trained: Mapping[str, torch.Tensor]
+) -> None:
+    """Fold a checkpoint's adapters (``record``: its ``frozen_base``) into ``model``, which
+    holds the base they were trained on (checked by its fingerprint)."""
+    from rapidformer.accel.lora.apply import base_fingerprint
+
+    settings = settings_from(record["adapter"], "--merge-lora (the checkpoint's adapter)")
+    if base_fingerprint(model, list(settings.modules_to_save)) != record["sha256"]:
+        raise CheckpointError(
+            f"cannot merge: the model in {record['source']} is not the base the adapters were "
+            "trained on (its fingerprint differs); export the adapter without --merge-lora"
+        )
+    _fold(model, settings, trained)
 
 
 @torch.no_grad()

@@ -1,0 +1,74 @@
+"""``--pretrained-checkpoint``: a fresh run starts from a whole model's weights.
+
+Megatron's ``--finetune`` and Megatron-Bridge's ``pretrained_checkpoint``: the weights of a
+finished run's checkpoint, in whatever layout this run has (every rank reads the whole state
+and keeps its share), with a fresh optimizer, schedule and data position. Under ``--lora-rank``
+they are the frozen base: a checkpoint of adapters holds no base, so the base is read again on
+every resume, and its fingerprint (over the checkpoint's values, so the same for any layout or
+storage dtype) is what the adapters' checkpoints are checked against.
+"""
+
+from __future__ import annotations
+
+import json
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from rapidformer.accel.lora.apply import fingerprint
+from rapidformer.accel.lora.layer import ADAPTER_PARAMETER
+from rapidformer.checkpoint.formats import read_model_state
+from rapidformer.errors import CheckpointError
+from rapidformer.state import TrainState
+
+
+def load_pretrained(state: TrainState, source: str) -> str:
+    """Read the whole model at ``source`` into ``state``'s model (adapters aside); returns the
+    SHA-256 of its frozen weights (for a run with adapters) or "". Refused, with the file
+    named, when it is no whole model of this shape."""
+    from rapidformer.checkpoint import PROGRESS, find_checkpoint, saved_format  # imports this
+
+    path = find_checkpoint(source)
+    if path is None:
+        raise CheckpointError(
+            f"--pretrained-checkpoint {source}: no checkpoint there (no 'latest' file and no "
+            f"{PROGRESS}). Fix: pass the --save directory of a finished run, or one of its "
+            "iter_* directories"
+        )
+    record = json.loads((path / PROGRESS).read_text())
+    if record.get("frozen_base") is not None:
+        raise CheckpointError(
+            f"--pretrained-checkpoint {path} holds adapters, not a whole model. Fix: resume it "
+            "with --load, or fold them in first (python -m rapidformer.export --merge-lora)"
+        )
+    weights = read_model_state(path, saved_format(path, record))
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    for part in state.model_parts:
+        # Whole shapes (a DTensor reports its global one): no value is gathered.
+        own = {k: tuple(v.shape) for k, v in part.state_dict().items()}
+        wanted = [k for k in own if ADAPTER_PARAMETER not in k]
+        missing = [k for k in wanted if k not in weights]
+        wrong = [
+            f"{k} is {tuple(weights[k].shape)} there, {own[k]} here"
+            for k in wanted
+            if k in weights and tuple(weights[k].shape) != own[k]
+        ]
+        if missing or wrong:
+            problems = [f"it has no {k}" for k in missing[:3]] + wrong[:3]
+            raise CheckpointError(
+                f"--pretrained-checkpoint {path} is not a model of this shape: "
+                f"{'; '.join(problems)}. Fix: pass the model flags it was trained with (its "
+                f"{PROGRESS} holds them)"
+            )
+        try:
+            set_model_state_dict(part, {k: weights[k] for k in wanted}, options=options)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"--pretrained-checkpoint {path}: {exc}") from exc
+    base = state.frozen_base
+    if base is None:
+        return ""
+    return fingerprint(
+        (name, weights[name])
+        for part in state.model_parts
+        for name, _ in part.named_parameters()
+        if name not in base.trainable and ADAPTER_PARAMETER not in name
+    )
