@@ -28,6 +28,7 @@ class Inputs:
     bert: Path
     finetune: Path  # a good sequence_classification data dir
     checkpoint: Path  # a save dir of the deterministic trainer (2 steps)
+    llama: Path  # a tiny causal LM (its tokenizer has no chat template)
 
     def copy_of_corpus(self, name: str) -> Path:
         """A copy of the corpus files under a new prefix (to damage)."""
@@ -63,7 +64,15 @@ def build_inputs(root: Path) -> Inputs:
     checkpoint = root / "checkpoint"
     run = ["--user-script", str(DETERMINISTIC_SCRIPT), *TINY_FLAGS, "--train-iters", "2"]
     assert main([*run, "--micro-batch-size", "4", "--save", str(checkpoint)]) == 0
-    return Inputs(root, data.flags(), Path(data.prefix), bert, finetune, checkpoint)
+    llama = tiny_model("llama", root / "llama")
+    (root / "chatml.jinja").write_text(CHATML)
+    return Inputs(root, data.flags(), Path(data.prefix), bert, finetune, checkpoint, llama)
+
+
+CHATML = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 PRETRAIN = ["--task", "pretraining", "--num-layers", "2", "--hidden-size", "32"]
@@ -78,6 +87,29 @@ def _finetune(inputs: Inputs, data_dir: Path | str, *flags: str) -> list[str]:
         *(str(inputs.bert), "--data-dir", str(data_dir), "--seq-length", "32"),
         *("--lr", "1e-3", "--train-iters", "2", "--micro-batch-size", "4", *flags),
     ]
+
+
+def _chat(name: str, rows: list[object], *flags: str, template: bool = True) -> Callable:
+    """A causal LM run on chat data ``rows`` (with a ChatML template file unless not
+    ``template``)."""
+
+    def argv(inputs: Inputs) -> list[str]:
+        data = inputs.finetune_dir(name, {"train.jsonl": _jsonl(rows)})
+        chat = ["--chat-template", str(inputs.root / "chatml.jinja")] if template else []
+        return [
+            *("--task", "causal_lm", "--pretrained-model-name-or-path", str(inputs.llama)),
+            *("--data-dir", str(data), "--seq-length", "64", "--lr", "1e-3"),
+            *("--train-iters", "2", "--micro-batch-size", "2", *chat, *flags),
+        ]
+
+    return argv
+
+
+def _turns(*pairs: tuple[str, str]) -> dict[str, object]:
+    return {"messages": [{"role": role, "content": content} for role, content in pairs]}
+
+
+CHAT = _turns(("user", "where is the cat"), ("assistant", "the cat is on the mat"))
 
 
 def _foreign_adapter(inputs: Inputs) -> Path:
@@ -432,6 +464,52 @@ CASES = [
         "adapter-of-another-shape",
         lambda i: _finetune(i, i.finetune, "--lora-adapter", str(_foreign_adapter(i))),
         ("--lora-adapter", "does not fit this model", "lora_A.weight"),
+    ),
+    # ---- chat and instruction data -----------------------------------------------------
+    Case(
+        "chat-unknown-role",
+        _chat("role", [CHAT, _turns(("narrator", "once"), ("assistant", "upon a time"))]),
+        ("row 1", "unknown role 'narrator'"),
+    ),
+    Case(
+        "chat-no-assistant-turn",
+        _chat("noassistant", [CHAT, _turns(("user", "hello"), ("system", "be brief"))]),
+        ("row 1", "has no assistant turn"),
+    ),
+    Case(
+        "chat-empty-content",
+        _chat("empty", [CHAT, _turns(("user", "hello"), ("assistant", "  "))]),
+        ("row 1", "messages[1] (assistant) with empty content"),
+    ),
+    Case(
+        "chat-mixed-formats",
+        _chat("mixed", [CHAT, CHAT, {"text": "a plain line"}]),
+        ("row 2", "has no messages", "one format per file"),
+    ),
+    Case(
+        "chat-model-without-template",
+        _chat("notemplate", [CHAT] * 4, template=False),
+        ("conversations", "Fix: pass --chat-template FILE"),
+    ),
+    Case(
+        "chat-nothing-left-to-learn",
+        _chat("short", [CHAT] * 4, "--seq-length", "6"),
+        ("4 of the train split's 4 samples have no token", "--drop-unsupervised"),
+    ),
+    Case(
+        "chat-flag-on-plain-text",
+        _chat("plain", [{"text": "a cat sat on the mat"}] * 4, "--train-on-inputs", template=False),
+        ("--train-on-inputs set", "plain text"),
+    ),
+    Case(
+        "chat-template-on-another-task",
+        lambda i: _finetune(i, i.finetune, "--chat-template", str(i.root / "chatml.jinja")),
+        ("--chat-template", "--task causal_lm", "Fix: drop it"),
+    ),
+    Case(
+        "chat-template-file-missing",
+        _chat("nofile", [CHAT] * 4, "--chat-template", "/nonexistent/chat.jinja"),
+        ("--chat-template", "no such file"),
     ),
     # ---- user scripts -------------------------------------------------------------------
     Case(

@@ -76,6 +76,15 @@ class DataConfig:
     """fixed-shape: batches padded as the data's collate function pads them (the built-in
     templates pad to --seq-length); dynamic-shape: batches grouped by length and padded to a
     small set of length buckets."""
+    chat_template: str | None = None
+    """A Jinja chat template file (as tokenizer_config.json's chat_template) to render chat
+    data with, instead of the tokenizer's own: for a model that has none. Causal LM only."""
+    train_on_inputs: bool = False
+    """Chat and instruction data: take the loss on every token (the prompts and the other
+    turns too), not only on the assistant's turns or the completions."""
+    drop_unsupervised: bool = False
+    """Chat and instruction data: leave out the samples that --seq-length cuts before any
+    token to learn (counted in the log), instead of refusing the data."""
 
 
 @dataclass(frozen=True, kw_only=True)

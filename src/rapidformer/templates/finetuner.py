@@ -57,6 +57,7 @@ from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for
+from rapidformer.templates.tasks.supervised import chat_violations, options_of
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class Finetuner(Trainer):
                     f"pass --task with one of {', '.join(TASKS)} (or casual_lm)",
                 )
             )
+        violations += chat_violations(config, canonical_task(task) if task else None)
         defaults = cls.build_model is Finetuner.build_model or (
             cls.build_data is Finetuner.build_data
             and cls.build_tokenizer is Finetuner.build_tokenizer
@@ -253,6 +255,9 @@ class Finetuner(Trainer):
         if self.engine.is_main_process:
             sizes = ", ".join(f"{n} {len(d)}" for n, d in prepared.items())
             log.info("data: %s (%s), %s features", data.data_dir, data.data_name or "-", sizes)
+            for features in prepared.values():
+                for note in features.extra.get("notes", ()):
+                    log.info("data: %s", note)
         self.data = DataBundle(
             train=prepared["train"],
             valid=prepared.get("validation"),
@@ -315,8 +320,11 @@ class Finetuner(Trainer):
     def task(self) -> Task:
         """The task's preprocessing, batching and metrics (:mod:`rapidformer.templates.tasks`)."""
         if self._task is None:
-            qa = self.task_key == "question_answering"
-            kwargs = {"doc_stride": self.doc_stride} if qa else {}
+            kwargs: dict[str, Any] = {}
+            if self.task_key == "question_answering":
+                kwargs["doc_stride"] = self.doc_stride
+            if self.task_key == "causal_lm":
+                kwargs["chat"] = options_of(self.config)
             self._task = task_for(self.task_key)(
                 self.tokenizer, self.seq_length, self.config.training.seed, **kwargs
             )

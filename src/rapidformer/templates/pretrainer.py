@@ -41,6 +41,7 @@ from rapidformer.errors import Violation
 from rapidformer.logging import log
 from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.families import CorpusSplit, family_for, family_violations
+from rapidformer.templates.tasks.supervised import chat_violations
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class Pretrainer(Trainer):
                     "pass --train-iters instead",
                 )
             )
+        violations += chat_violations(config, "pretraining")
         adapters = config.adapters
         built_in = cls.build_model is Pretrainer.build_model
         if built_in and lora_on(config) and config.checkpoint.pretrained_checkpoint is None:

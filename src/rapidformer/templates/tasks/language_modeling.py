@@ -14,9 +14,16 @@ from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
 from rapidformer.templates.batches import IGNORE_INDEX
 from rapidformer.templates.tasks.base import Features, Recipe, Task, column, encoded_rows, pad_rows
+from rapidformer.templates.tasks.supervised import (
+    ChatOptions,
+    is_supervised_data,
+    refuse_chat_flags_on_text,
+    supervised_features,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
+    from transformers import PreTrainedTokenizerBase
 
 
 class LanguageModeling(Task):
@@ -130,11 +137,30 @@ class MaskedLM(LanguageModeling):
 
 
 class CausalLM(LanguageModeling):
-    """Causal LM: each token predicts the next; padding is never a target."""
+    """Causal LM: each token predicts the next; padding is never a target. Chat and
+    instruction data (a ``messages`` column, or ``prompt`` and ``completion``) are rendered
+    with the chat template and learn only the assistant's tokens
+    (:mod:`rapidformer.templates.tasks.supervised`)."""
 
     name = "causal_lm"
     auto_class = "AutoModelForCausalLM"
     recipe = Recipe(5e-5, 3, 0.0, "transformers' run_clm.py")
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        seq_length: int,
+        seed: int = 0,
+        chat: ChatOptions | None = None,
+    ) -> None:
+        super().__init__(tokenizer, seq_length, seed)
+        self.chat = chat or ChatOptions()
+
+    def prepare(self, rows: HFDataset, split: str) -> Features:
+        if is_supervised_data(rows):
+            return supervised_features(rows, split, self.tokenizer, self.seq_length, self.chat)
+        refuse_chat_flags_on_text(rows, split, self.chat)
+        return super().prepare(rows, split)
 
     def _encode(self, texts: list[str], pairs: list[str] | None = None) -> dict[str, list[Any]]:
         eos = self.tokenizer.eos_token
@@ -146,7 +172,10 @@ class CausalLM(LanguageModeling):
         return self.token_labels(batch)[:, 1:]  # the shift: position t's logits score token t + 1
 
     def token_labels(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The tokens, with padding ignored (unshifted, as Hugging Face models take labels)."""
+        """The tokens learned (unshifted, as Hugging Face models take labels): chat data's
+        labels, else every token but padding."""
+        if "labels" in batch:
+            return batch["labels"]
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
 
     def loss_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,147 @@
+"""The causal LM's chat and instruction data: samples rendered with the chat template, labels
+on what the model learns (:mod:`rapidformer.data.chat_masks`), and the samples truncation left
+with nothing to learn refused or dropped, counted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.chat import data_format, samples
+from rapidformer.data.chat_masks import ChatRenderer
+from rapidformer.errors import DataError, Violation
+from rapidformer.templates.batches import IGNORE_INDEX
+from rapidformer.templates.tasks.base import Features
+
+if TYPE_CHECKING:
+    from datasets import Dataset as HFDataset
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the causal LM treats chat and instruction data (the flags of the same names)."""
+
+    chat_template: str | None = None
+    """A template given by --chat-template (its text), instead of the tokenizer's."""
+    chat_template_file: str | None = None
+    train_on_inputs: bool = False
+    drop_unsupervised: bool = False
+
+    def given(self) -> list[str]:
+        """The flags set that only chat and instruction data read."""
+        return [
+            flag
+            for flag, on in (
+                ("--chat-template", self.chat_template is not None),
+                ("--train-on-inputs", self.train_on_inputs),
+                ("--drop-unsupervised", self.drop_unsupervised),
+            )
+            if on
+        ]
+
+
+CHAT_FLAGS = ("chat_template", "train_on_inputs", "drop_unsupervised")
+
+
+def chat_violations(config: RapidformerConfig, task: str | None) -> list[Violation]:
+    """The chat flags are the causal LM's, and a template file must exist."""
+    data = config.data
+    given = [name for name in CHAT_FLAGS if getattr(data, name) not in (None, False)]
+    violations = [
+        Violation(
+            f"--{name.replace('_', '-')}",
+            getattr(data, name),
+            f"applies to chat and instruction data of --task causal_lm (this run: {task})",
+            "drop it",
+        )
+        for name in given
+        if task != "causal_lm"
+    ]
+    template = data.chat_template
+    if template is not None and not Path(template).is_file():
+        violations.append(
+            Violation(
+                "--chat-template",
+                template,
+                "no such file",
+                "pass a file holding a Jinja chat template",
+            )
+        )
+    return violations
+
+
+def options_of(config: RapidformerConfig) -> ChatOptions:
+    """The chat flags of ``config``, the template file read."""
+    data = config.data
+    path = data.chat_template
+    return ChatOptions(
+        chat_template=Path(path).read_text() if path is not None else None,
+        chat_template_file=path,
+        train_on_inputs=data.train_on_inputs,
+        drop_unsupervised=data.drop_unsupervised,
+    )
+
+
+def is_supervised_data(rows: HFDataset) -> bool:
+    return data_format(rows.column_names) != "text"
+
+
+def refuse_chat_flags_on_text(rows: HFDataset, split: str, options: ChatOptions) -> None:
+    """A chat flag on plain text would change nothing: said, not ignored."""
+    flags = options.given()
+    if flags:
+        raise DataError(
+            f"{', '.join(flags)} set, and the {split} split is plain text (columns: "
+            f"{', '.join(rows.column_names)}): they apply to a messages column or prompt and "
+            "completion columns only. Fix: drop them, or give the data in one of those formats"
+        )
+
+
+def supervised_features(
+    rows: HFDataset, split: str, tokenizer: Any, seq_length: int, options: ChatOptions
+) -> Features:
+    renderer = ChatRenderer(
+        tokenizer,
+        seq_length,
+        options.chat_template,
+        f"--chat-template {options.chat_template_file}" if options.chat_template_file else "",
+        options.train_on_inputs,
+    )
+    rendered = [renderer.render(s, i, split) for i, s in enumerate(samples(rows, split))]
+    # A token's label is scored by the position before it: the first token is never learned.
+    empty = [i for i, sample in enumerate(rendered) if not any(sample.supervised[1:])]
+    if empty and not options.drop_unsupervised:
+        shown = ", ".join(str(i) for i in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        raise DataError(
+            f"{len(empty)} of the {split} split's {len(rendered)} samples have no token to "
+            f"learn from once cut to --seq-length {seq_length} (rows {shown}): they would "
+            "train on nothing. Fix: a longer --seq-length, or --drop-unsupervised to leave "
+            "them out (counted in the log)"
+        )
+    dropped = set(empty)
+    rows_out = [
+        {
+            "input_ids": sample.input_ids,
+            "attention_mask": [1] * len(sample.input_ids),
+            "labels": [
+                token if on else IGNORE_INDEX
+                for token, on in zip(sample.input_ids, sample.supervised, strict=True)
+            ],
+        }
+        for i, sample in enumerate(rendered)
+        if i not in dropped
+    ]
+    truncated = sum(sample.truncated for sample in rendered)
+    learned = sum(sum(sample.supervised[1:]) for i, sample in enumerate(rendered)
+                  if i not in dropped)  # fmt: skip
+    kind = data_format(rows.column_names)
+    what = "the assistant's turns" if kind == "messages" else "the completions"
+    notes = [
+        f"{split}: {len(rows_out)} {kind} samples, {learned:,} tokens learned "
+        f"({'every token: --train-on-inputs' if options.train_on_inputs else what})"
+        + (f"; {truncated} cut to --seq-length {seq_length}" if truncated else "")
+        + (f"; {len(dropped)} dropped with nothing left to learn" if dropped else "")
+    ]
+    return Features(rows_out, split, notes=notes)

@@ -1,0 +1,212 @@
+"""The assistant mask found by rendering prefixes turn by turn equals, token for token, the mask
+transformers gives for the same template with ``{% generation %}`` tags, for templates written
+here in the formats of ChatML, Llama 3, Mistral, Gemma and Qwen (multi-turn, a system prompt, a
+tool call); a template that re-renders earlier turns is read through its tags, or refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rapidformer.data.chat import Sample
+from rapidformer.data.chat_masks import ChatRenderer, covered
+from rapidformer.errors import DataError
+from rapidformer.testing.families import tiny_model
+
+GENERATION, END = "{% generation %}", "{% endgeneration %}"
+
+CALLS = (
+    "{%- for call in m.tool_calls or [] -%}"
+    "{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' -}}{%- endfor -%}"
+)
+TEMPLATES = {
+    "chatml": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+        "{% generation %}{{- m.content or '' -}}" + CALLS + "{{- '<|im_end|>\\n' -}}"
+        "{% endgeneration %}"
+        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    ),
+    "llama3": (
+        "{{- bos_token -}}{%- for m in messages -%}"
+        "{%- set role = 'ipython' if m.role == 'tool' else m.role -%}"
+        "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' -}}"
+        "{%- if m.role == 'assistant' -%}{% generation %}{{- (m.content or '') | trim -}}"
+        + CALLS
+        + "{{- '<|eot_id|>' -}}{% endgeneration %}"
+        "{%- else -%}{{- m.content | trim + '<|eot_id|>' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+    ),
+    "mistral": (
+        "{{- bos_token -}}{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}{% generation %}{{- ' ' + (m.content or '') -}}"
+        + CALLS
+        + "{{- eos_token -}}{% endgeneration %}"
+        "{%- elif m.role == 'system' -%}{{- '[SYSTEM_PROMPT]' + m.content + '[/SYSTEM_PROMPT]' -}}"
+        "{%- elif m.role == 'tool' -%}{{- '[TOOL_RESULTS]' + m.content + '[/TOOL_RESULTS]' -}}"
+        "{%- else -%}{{- '[INST] ' + m.content + ' [/INST]' -}}{%- endif -%}{%- endfor -%}"
+    ),
+    "gemma": (
+        "{{- bos_token -}}{%- for m in messages -%}"
+        "{%- set role = 'model' if m.role == 'assistant' else m.role -%}"
+        "{{- '<start_of_turn>' + role + '\\n' -}}"
+        "{%- if m.role == 'assistant' -%}{% generation %}{{- (m.content or '') | trim -}}"
+        + CALLS
+        + "{{- '<end_of_turn>\\n' -}}{% endgeneration %}"
+        "{%- else -%}{{- m.content | trim + '<end_of_turn>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+    ),
+    "qwen": (
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+        "{% generation %}{{- m.content or '' -}}"
+        "{%- for call in m.tool_calls or [] -%}"
+        "{{- '\\n<tool_call>\\n' + (call.function | tojson) + '\\n</tool_call>' -}}"
+        "{%- endfor -%}{{- '<|im_end|>\\n' -}}{% endgeneration %}"
+        "{%- elif m.role == 'tool' -%}"
+        "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response>"
+        "<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    ),
+}
+"""Each template as a tagged one; the same without its tags is what rendering prefixes reads."""
+
+THINKING = (
+    "{%- set last = namespace(user=0) -%}{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{%- set last.user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- set content = m.content if loop.index0 > last.user "
+    "else m.content.split('</think>')[-1] -%}"
+    "{% generation %}{{- content + '<|im_end|>\\n' -}}{% endgeneration %}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""Qwen3's way with past reasoning: an assistant turn before the last user turn loses its
+``<think>`` part, so a prefix renders otherwise than the start of the whole."""
+
+SPECIALS = [
+    "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "<start_of_turn>", "<end_of_turn>", "<tool_call>", "</tool_call>",
+]  # fmt: skip
+CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
+    "multi-turn with a system prompt": [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Where does the cat sit?"},
+        {"role": "assistant", "content": "The cat sits on the mat."},
+        {"role": "user", "content": "And the dog?"},
+        {"role": "assistant", "content": "The dog runs in the park."},
+    ],
+    "a tool call": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny, 21 degrees"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+    ],
+}
+
+
+def _untagged(template: str) -> str:
+    return template.replace(GENERATION, "").replace(END, "")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    path = tiny_model("llama", tmp_path_factory.mktemp("chat") / "llama")
+    loaded = AutoTokenizer.from_pretrained(path)
+    loaded.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return loaded
+
+
+def _renderer(tokenizer: Any, template: str) -> ChatRenderer:
+    return ChatRenderer(tokenizer, 4096, template, "the test's template")
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("family", TEMPLATES)
+def test_the_prefix_mask_equals_the_generation_tags_mask(
+    tokenizer: Any, family: str, conversation: str
+) -> None:
+    turns = CONVERSATIONS[conversation]
+    rendered = _renderer(tokenizer, _untagged(TEMPLATES[family])).render(
+        Sample(turns=turns), 0, "train"
+    )
+    tagged = tokenizer.apply_chat_template(
+        turns, chat_template=TEMPLATES[family], tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    assert rendered.input_ids == tagged["input_ids"]
+    assert rendered.supervised == [bool(on) for on in tagged["assistant_masks"]]
+    assert 0 < sum(rendered.supervised) < len(rendered.supervised)
+
+
+def test_a_template_that_re_renders_past_turns_is_read_by_its_tags_or_refused(
+    tokenizer: Any,
+) -> None:
+    turns = [
+        {"role": "user", "content": "Two and two?"},
+        {"role": "assistant", "content": "<think>add them</think>Four."},
+        {"role": "user", "content": "And three more?"},
+        {"role": "assistant", "content": "<think>four and three</think>Seven."},
+    ]
+    tagged = tokenizer.apply_chat_template(
+        turns, chat_template=THINKING, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    rendered = _renderer(tokenizer, THINKING).render(Sample(turns=turns), 0, "train")
+    assert rendered.supervised == [bool(on) for on in tagged["assistant_masks"]]
+    with pytest.raises(DataError, match=r"renders the earlier turns .* no \{% generation %\}"):
+        _renderer(tokenizer, _untagged(THINKING)).render(Sample(turns=turns), 3, "train")
+
+
+def test_an_instruction_learns_its_completion_and_the_end_of_sequence(tokenizer: Any) -> None:
+    prompt, completion = "Translate: the cat sits.", " Le chat est assis."
+    rendered = _renderer(tokenizer, "").render(
+        Sample(prompt=prompt, completion=completion), 0, "train"
+    )
+    learned = [t for t, on in zip(rendered.input_ids, rendered.supervised, strict=True) if on]
+    assert tokenizer.decode(learned) == completion + tokenizer.eos_token
+    whole = ChatRenderer(tokenizer, 4096, "", train_on_inputs=True).render(
+        Sample(prompt=prompt, completion=completion), 0, "train"
+    )
+    assert all(whole.supervised) and whole.input_ids == rendered.input_ids
+
+
+def test_truncation_cuts_tokens_and_their_marks_alike(tokenizer: Any) -> None:
+    turns = CONVERSATIONS["multi-turn with a system prompt"]
+    template = _untagged(TEMPLATES["chatml"])
+    whole = _renderer(tokenizer, template).render(Sample(turns=turns), 0, "train")
+    cut = ChatRenderer(tokenizer, 12, template).render(Sample(turns=turns), 0, "train")
+    assert cut.truncated and not whole.truncated
+    assert cut.input_ids == whole.input_ids[:12] and cut.supervised == whole.supervised[:12]
+
+
+def test_a_span_covers_every_token_it_overlaps() -> None:
+    offsets = [(0, 0), (0, 3), (3, 5), (5, 9), (9, 10)]
+    assert covered(offsets, [(4, 9)]) == [2, 3]
+    assert covered(offsets, [(0, 1), (9, 10)]) == [1, 4]  # the BOS (0, 0) never
+
+
+def test_conversations_without_a_template_are_refused_with_the_fix(tokenizer: Any) -> None:
+    renderer = ChatRenderer(tokenizer, 64)  # the tiny model's tokenizer has no template
+    with pytest.raises(DataError, match="--chat-template FILE"):
+        renderer.render(Sample(turns=CONVERSATIONS["a tool call"]), 0, "train")
