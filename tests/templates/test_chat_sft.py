@@ -131,3 +131,27 @@ def test_a_black_box_run_learns_the_assistant_turns_in_full_and_with_adapters(
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     _, learned = _reference(model, tokenizer, rows)
     assert f"train: 48 messages samples, {learned:,} tokens learned" in said
+
+
+def _eval_loss(save: Path) -> float:
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return next(r["eval_loss"] for r in records if r["kind"] == "eval")
+
+
+def test_packing_scores_the_same_tokens_as_padding(
+    chat: tuple[Path, Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Evaluated after a step too small to move the weights, a packed run's validation loss is
+    the padded run's (the same tokens, each sample attending only to itself)."""
+    model_dir, template, data = chat
+    flags = [
+        *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
+        *("--data-dir", str(data), "--chat-template", str(template), "--seq-length", str(SEQ)),
+        *("--micro-batch-size", "2", "--lr", "1e-12", "--train-iters", "1"),
+        *("--eval-interval", "1", "--lr-warmup-fraction", "0"),
+    ]
+    assert main([*flags, "--save", str(tmp_path / "padded")]) == 0
+    assert main([*flags, "--packing", "--save", str(tmp_path / "packed")]) == 0
+    said = capfd.readouterr().err
+    assert "train: 48 samples packed into" in said and "validation: 8 samples packed" in said
+    assert abs(_eval_loss(tmp_path / "packed") - _eval_loss(tmp_path / "padded")) <= 1e-5

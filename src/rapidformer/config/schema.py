@@ -85,6 +85,10 @@ class DataConfig:
     drop_unsupervised: bool = False
     """Chat and instruction data: leave out the samples that --seq-length cuts before any
     token to learn (counted in the log), instead of refusing the data."""
+    packing: bool = False
+    """Causal LM fine-tuning: lay the samples end to end in rows of --seq-length tokens
+    (best-fit decreasing), each with positions from 0 and attending only to itself (a
+    block-diagonal mask), instead of padding each one."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,7 @@ from rapidformer.accel.lora.saving import save_run_adapter
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.packing import PackedCollate, check_packable
 from rapidformer.distributed import process_group
 from rapidformer.errors import Violation
 from rapidformer.logging import log
@@ -57,7 +58,7 @@ from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for
-from rapidformer.templates.tasks.supervised import chat_violations, options_of
+from rapidformer.templates.tasks.supervised import chat_violations, options_of, packed
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
 if TYPE_CHECKING:
@@ -229,6 +230,8 @@ class Finetuner(Trainer):
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
         check_vocabulary(model, len(self.tokenizer), path)
+        if self.config.data.packing:
+            check_packable(model)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info(
@@ -252,6 +255,10 @@ class Finetuner(Trainer):
             for name in ("train", "validation", "test")
             if name in splits
         }
+        collate: Any = self.task.collate
+        if data.packing:
+            prepared = {name: packed(f, self.seq_length) for name, f in prepared.items()}
+            collate = PackedCollate(self.seq_length, self.task.pad_id)
         if self.engine.is_main_process:
             sizes = ", ".join(f"{n} {len(d)}" for n, d in prepared.items())
             log.info("data: %s (%s), %s features", data.data_dir, data.data_name or "-", sizes)
@@ -262,7 +269,7 @@ class Finetuner(Trainer):
             train=prepared["train"],
             valid=prepared.get("validation"),
             test=prepared.get("test"),
-            collate_fn=self.task.collate,
+            collate_fn=collate,
         )
         return self.data
 

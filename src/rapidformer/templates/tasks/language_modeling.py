@@ -178,6 +178,15 @@ class CausalLM(LanguageModeling):
             return batch["labels"]
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
 
+    def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "packed_mask" in batch:  # --packing: each sample attends to itself only
+            return {
+                "input_ids": batch["input_ids"],
+                "attention_mask": batch["packed_mask"],
+                "position_ids": batch["position_ids"],
+            }
+        return super().inputs(batch)
+
     def loss_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inputs plus the labels, for a model patched to compute its loss in its forward
         (``--fused-lm-loss``: :mod:`rapidformer.models.hf_fused_loss`)."""

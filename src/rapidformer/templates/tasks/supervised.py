@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.chat import data_format, samples
 from rapidformer.data.chat_masks import ChatRenderer
+from rapidformer.data.packing import pack_rows, packing_note
 from rapidformer.errors import DataError, Violation
 from rapidformer.templates.batches import IGNORE_INDEX
 from rapidformer.templates.tasks.base import Features
@@ -42,7 +43,8 @@ class ChatOptions:
         ]
 
 
-CHAT_FLAGS = ("chat_template", "train_on_inputs", "drop_unsupervised")
+CHAT_FLAGS = ("chat_template", "train_on_inputs", "drop_unsupervised", "packing")
+"""The causal LM's data flags."""
 
 
 def chat_violations(config: RapidformerConfig, task: str | None) -> list[Violation]:
@@ -53,12 +55,22 @@ def chat_violations(config: RapidformerConfig, task: str | None) -> list[Violati
         Violation(
             f"--{name.replace('_', '-')}",
             getattr(data, name),
-            f"applies to chat and instruction data of --task causal_lm (this run: {task})",
+            f"applies to the data of --task causal_lm (this run: {task})",
             "drop it",
         )
         for name in given
         if task != "causal_lm"
     ]
+    if data.packing and data.data_iterator == "dynamic-shape":
+        violations.append(
+            Violation(
+                "--packing",
+                True,
+                "cannot run with --data-iterator dynamic-shape: packed rows are all "
+                "--seq-length tokens, there is no padding left for buckets to save",
+                "drop one of them",
+            )
+        )
     template = data.chat_template
     if template is not None and not Path(template).is_file():
         violations.append(
@@ -70,6 +82,14 @@ def chat_violations(config: RapidformerConfig, task: str | None) -> list[Violati
             )
         )
     return violations
+
+
+def packed(features: Features, seq_length: int) -> Features:
+    """``--packing``: the split's samples in rows of ``seq_length`` tokens
+    (:mod:`rapidformer.data.packing`)."""
+    rows = pack_rows(features.rows, seq_length)
+    note = packing_note(features.split, len(features), rows, seq_length)
+    return Features(rows, features.split, notes=[*features.extra.get("notes", ()), note])
 
 
 def options_of(config: RapidformerConfig) -> ChatOptions:
