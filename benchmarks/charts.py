@@ -10,8 +10,8 @@ committed results, without running anything:
 Charts: the loss curves (the demo's learning curve, every layout against one process), model
 state per rank by ZeRO stage, memory per rank by tensor x pipeline layout (measured, formula,
 the dry run's estimate, the reference's published peaks), throughput by switch, the pipeline
-bubble against theory, the dynamic-shape iterator's padding, and full fine-tuning against LoRA
-and QLoRA.
+bubble against theory, the dynamic-shape iterator's padding, full fine-tuning against LoRA
+and QLoRA, and packing against padding.
 """
 
 from __future__ import annotations
@@ -206,6 +206,22 @@ def lora(result: dict[str, Any]) -> Figure:
     return figure
 
 
+def packing(result: dict[str, Any]) -> Figure:
+    figure, (speed_axis, memory_axis) = _figure(9, 4.2, columns=2)
+    summary = result["summary"]
+    names = list(summary)
+    speed_axis.bar(names, [summary[n]["learned_tokens_per_s"] for n in names], color="C0")
+    speed_axis.set(ylabel="learned tokens / s (CPU)", title="Throughput")
+    memory_axis.bar(names, [summary[n]["peak_mib"] for n in names], color="C1")
+    memory_axis.set(ylabel="MiB, peak of the epoch", title="Memory")
+    packed = summary["packed"]["learned_tokens_per_s"]
+    for index, name in enumerate(names):
+        speed_axis.annotate(f"{summary[name]['learned_tokens_per_s'] / packed:.2f}x",
+                            (index, 0), xytext=(0, 4), textcoords="offset points",
+                            ha="center", color="white")  # fmt: skip
+    return figure
+
+
 def _speed_ratios() -> dict[str, float]:
     """Speed of each switch relative to running without it, from the CPU results."""
     ratios: dict[str, float] = {}
@@ -268,6 +284,7 @@ CHARTS: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "pipeline_bubble": pipeline_bubble,
     "dynamic_shape": dynamic_shape,
     "lora": lora,
+    "packing": packing,
 }
 """Result name -> the chart drawn from its JSON."""
 

@@ -5,7 +5,6 @@ mean cross-entropy of exactly the assistant's tokens, and a black-box run learns
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from rapidformer.cli import main
 from rapidformer.templates.tasks import CausalLM
 from rapidformer.templates.tasks.supervised import ChatOptions
-from rapidformer.testing.families import tiny_model
+from rapidformer.testing.chat import CHATML, chat_dataset, tiny_chat_model
 from tests.helpers.trainers import read_losses
 
 TAGGED = (
@@ -27,40 +26,16 @@ TAGGED = (
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-TEMPLATE = TAGGED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-ANIMALS = ["cat", "dog", "bird", "fox", "cow"]
-PLACES = ["on the mat", "in the park", "under the tree", "by the river"]
-
-
-def _conversation(rng: random.Random) -> dict[str, Any]:
-    turns: list[dict[str, str]] = [{"role": "system", "content": "Answer in one sentence."}]
-    for _ in range(rng.randint(1, 3)):
-        animal = rng.choice(ANIMALS)
-        turns.append({"role": "user", "content": f"where is the {animal}"})
-        turns.append({"role": "assistant", "content": f"the {animal} is {rng.choice(PLACES)}"})
-    return {"messages": turns}
+"""The shipped ChatML template, its assistant turns tagged: transformers' mask is the reference."""
 
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """A tiny Llama whose tokenizer knows ChatML's markers, a template file, and chat data."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """A tiny Llama with ChatML's markers and template, that template as a file, chat data."""
     root = tmp_path_factory.mktemp("sft")
-    base = tiny_model("llama", root / "base", max_positions=256)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    model = AutoModelForCausalLM.from_pretrained(base)
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(root / "llama")
-    tokenizer.save_pretrained(root / "llama")
-    (root / "chatml.jinja").write_text(TEMPLATE)
-    rng = random.Random(0)
-    (root / "data").mkdir()
-    for split, count in (("train", 48), ("validation", 8)):
-        lines = [json.dumps(_conversation(rng)) for _ in range(count)]
-        (root / "data" / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    return root / "llama", root / "chatml.jinja", root / "data"
+    (root / "chatml.jinja").write_text(CHATML)
+    data = chat_dataset(root / "data", train=48, validation=8)
+    return tiny_chat_model(root / "llama"), root / "chatml.jinja", data
 
 
 SEQ = 192
@@ -142,11 +117,12 @@ def test_packing_scores_the_same_tokens_as_padding(
     chat: tuple[Path, Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Evaluated after a step too small to move the weights, a packed run's validation loss is
-    the padded run's (the same tokens, each sample attending only to itself)."""
-    model_dir, template, data = chat
+    the padded run's (the same tokens, each sample attending only to itself). The model's own
+    chat template renders the data here (no --chat-template)."""
+    model_dir, _, data = chat
     flags = [
         *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
-        *("--data-dir", str(data), "--chat-template", str(template), "--seq-length", str(SEQ)),
+        *("--data-dir", str(data), "--seq-length", str(SEQ)),
         *("--micro-batch-size", "2", "--lr", "1e-12", "--train-iters", "1"),
         *("--eval-interval", "1", "--lr-warmup-fraction", "0"),
     ]
