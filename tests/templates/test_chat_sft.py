@@ -5,6 +5,9 @@ mean cross-entropy of exactly the assistant's tokens, and a black-box run learns
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +134,31 @@ def test_packing_scores_the_same_tokens_as_padding(
     said = capfd.readouterr().err
     assert "train: 48 samples packed into" in said and "validation: 8 samples packed" in said
     assert abs(_eval_loss(tmp_path / "packed") - _eval_loss(tmp_path / "padded")) <= 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_packed_runs_resume_exactly_and_two_ranks_match_one(
+    chat: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Packed rows are fixed once, so a resumed run continues bitwise, and two data-parallel
+    ranks take the micro-batches one process takes (within 1e-5: a different reduction)."""
+    model_dir, _, data = chat
+    flags = [
+        *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
+        *("--data-dir", str(data), "--seq-length", str(SEQ), "--packing"),
+        *("--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2"),
+        *("--train-iters", "6", "--log-interval", "1", "--eval-interval", "1000"),
+    ]
+    assert main([*flags, "--save", str(tmp_path / "one"), "--save-interval", "3"]) == 0
+    resumed = [*flags, "--load", str(tmp_path / "one" / "iter_0000003")]
+    assert main([*resumed, "--save", str(tmp_path / "resumed")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
+               "--save", str(tmp_path / "two")]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, again = read_losses(tmp_path / "one"), read_losses(tmp_path / "resumed")
+    two = read_losses(tmp_path / "two")
+    assert again.keys() == {4, 5, 6} and all(again[s] == one[s] for s in again)
+    assert two.keys() == one.keys() and max(abs(one[s] - two[s]) for s in one) <= 1e-5
