@@ -162,3 +162,31 @@ def test_packed_runs_resume_exactly_and_two_ranks_match_one(
     two = read_losses(tmp_path / "two")
     assert again.keys() == {4, 5, 6} and all(again[s] == one[s] for s in again)
     assert two.keys() == one.keys() and max(abs(one[s] - two[s]) for s in one) <= 1e-5
+
+
+def test_rendered_samples_are_cached_beside_the_dataset(
+    chat: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """The second preparation of the same file reads the first's rendering (equal rows); another
+    template or length renders again."""
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    model_dir, template, data = chat
+    copy = tmp_path / "train.jsonl"
+    copy.write_text((data / "train.jsonl").read_text())  # a file no other test has cached
+    rows = load_dataset("json", data_files={"train": str(copy)})["train"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def prepare(seq_length: int = SEQ, chat_template: str | None = None) -> Any:
+        task = CausalLM(tokenizer, seq_length, chat=ChatOptions(chat_template=chat_template))
+        return task.prepare(rows, "train")
+
+    first, second = prepare(), prepare()
+    assert not any("cache" in note for note in first.extra["notes"])
+    assert any("read from the cache" in note for note in second.extra["notes"])
+    assert second.rows == first.rows
+    other = prepare(chat_template=template.read_text() + " ")
+    shorter = prepare(seq_length=64)
+    assert not any("cache" in n for n in [*other.extra["notes"], *shorter.extra["notes"]])
+    assert shorter.rows != first.rows

@@ -4,6 +4,10 @@ with nothing to learn refused or dropped, counted."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,7 +123,57 @@ def refuse_chat_flags_on_text(rows: HFDataset, split: str, options: ChatOptions)
         )
 
 
+CACHE_VERSION = 1
+"""Bumped when what a cached file holds changes."""
+
+
 def supervised_features(
+    rows: HFDataset, split: str, tokenizer: Any, seq_length: int, options: ChatOptions
+) -> Features:
+    """The split rendered and labelled, read from the cache beside the dataset's own Arrow
+    files when the same data, tokenizer, template, length and flags made it before (JSON: no
+    code can run from it)."""
+    cache = _cache_file(rows, split, tokenizer, seq_length, options)
+    if cache is not None and cache.is_file():
+        saved = json.loads(cache.read_text())
+        notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache}"]
+        return Features(saved["rows"], split, notes=notes)
+    features = _render_split(rows, split, tokenizer, seq_length, options)
+    if cache is not None:
+        staged = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next run time
+            staged.write_text(json.dumps({"rows": features.rows,
+                                          "notes": features.extra["notes"]}))  # fmt: skip
+            os.replace(staged, cache)  # whole or absent, whichever rank writes it
+    return features
+
+
+def _cache_file(
+    rows: HFDataset, split: str, tokenizer: Any, seq_length: int, options: ChatOptions
+) -> Path | None:
+    """Where this split's rendering is cached: beside the dataset's Arrow files, named by a
+    hash of everything the rendering depends on (None for a dataset in memory)."""
+    files = getattr(rows, "cache_files", None)
+    fingerprint = getattr(rows, "_fingerprint", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not files or fingerprint is None or backend is None:
+        return None
+    key = {
+        "version": CACHE_VERSION,
+        "data": fingerprint,
+        "split": split,
+        "tokenizer": hashlib.sha256(backend.to_str().encode()).hexdigest(),
+        "template": options.chat_template or tokenizer.chat_template,
+        "seq_length": seq_length,
+        "train_on_inputs": options.train_on_inputs,
+        "drop_unsupervised": options.drop_unsupervised,
+        "eos": tokenizer.eos_token,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(files[0]["filename"]).parent / f"rapidformer-chat-{digest}.json"
+
+
+def _render_split(
     rows: HFDataset, split: str, tokenizer: Any, seq_length: int, options: ChatOptions
 ) -> Features:
     renderer = ChatRenderer(
