@@ -89,6 +89,15 @@ class DataConfig:
     """Causal LM fine-tuning: lay the samples end to end in rows of --seq-length tokens
     (best-fit decreasing), each with positions from 0 and attending only to itself (a
     block-diagonal mask), instead of padding each one."""
+    reset_position_ids: bool = False
+    """Built-in GPT pretraining: positions restart at 0 after each end-of-document token
+    (Megatron's flag of the same name)."""
+    reset_attention_mask: bool = False
+    """Built-in GPT pretraining: a token attends only to the tokens of its own document (the
+    end-of-document token ends it), through a block-diagonal causal mask (Megatron's)."""
+    eod_mask_loss: bool = False
+    """Built-in GPT pretraining: no loss where the input is the end-of-document token (the
+    next document's first token is not predicted from the last one's end; Megatron's)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -146,6 +146,8 @@ class GPTModel(StagedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]`` (or, under ``fused_lm_loss``
         in training with ``labels`` ``[B, T]``, the 0-dim mean cross-entropy).
@@ -158,6 +160,10 @@ class GPTModel(StagedModel):
         it, so real tokens' logits are exactly those of the unpadded sequence, and attention
         keeps SDPA's mask-free causal kernels. Logits at padded positions are meaningless; the
         loss must ignore them. Left padding is not supported (positions would be shifted).
+
+        ``position_ids`` ``[B, T]`` (``--reset-position-ids``) replace ``0..T-1``;
+        ``document_mask`` ``[B, 1, T, T]`` (``--reset-attention-mask``, True = may attend)
+        replaces the causal mask: each token sees only the earlier tokens of its document.
         """
         del attention_mask  # right padding only: see the docstring
         x = input_ids
@@ -166,10 +172,12 @@ class GPTModel(StagedModel):
             length = input_ids.shape[1]
             self.check_length(length)
             positions = torch.arange(length, device=input_ids.device)
+            if position_ids is not None:
+                positions = position_ids
             x = self.token_embeddings(input_ids) + self.position_embeddings(positions)
             x = self.embedding_dropout(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if document_mask is None else block(x, attention_mask=document_mask)
         if self.lm_head is None:
             return x
         assert self.final_norm is not None

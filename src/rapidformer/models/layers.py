@@ -54,7 +54,9 @@ class SelfAttention(nn.Module):
 
     ``causal=True`` uses SDPA's causal mask (and no explicit mask, which keeps the fused
     kernels available); otherwise an optional boolean ``attention_mask`` broadcastable to
-    ``[B, heads, T, T]`` (True = may attend) is applied.
+    ``[B, heads, T, T]`` (True = may attend) is applied. A causal layer given a mask applies it
+    instead of its own: a document mask (``--reset-attention-mask``), causal within each
+    document.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, dropout: float, causal: bool) -> None:
@@ -70,8 +72,6 @@ class SelfAttention(nn.Module):
         self.out_proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.causal and attention_mask is not None:
-            raise ValueError("causal attention takes no explicit attention_mask")
         batch, length, _ = x.shape
         # [B, T, heads, head_dim] -> [B, heads, T, head_dim]; -1 heads so a TP shard works.
         q = self.q_proj(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
@@ -83,7 +83,7 @@ class SelfAttention(nn.Module):
             v,
             attn_mask=attention_mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal,
+            is_causal=self.causal and attention_mask is None,
         )
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

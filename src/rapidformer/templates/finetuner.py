@@ -56,6 +56,7 @@ from rapidformer.models.hf import (
 from rapidformer.models.hf_fused_loss import FAMILIES as FUSED_FAMILIES
 from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
+from rapidformer.templates.families.gpt import document_violations
 from rapidformer.templates.hf_rules import hf_parallel_violations
 from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for
 from rapidformer.templates.tasks.supervised import chat_violations, options_of, packed
@@ -106,6 +107,7 @@ class Finetuner(Trainer):
                 )
             )
         violations += chat_violations(config, canonical_task(task) if task else None)
+        violations += document_violations(config, "fine-tuning")
         defaults = cls.build_model is Finetuner.build_model or (
             cls.build_data is Finetuner.build_data
             and cls.build_tokenizer is Finetuner.build_tokenizer

@@ -23,7 +23,7 @@ Pretraining is iteration-based (``--train-iters``), as in Megatron.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from rapidformer.accel.lora import lora_on
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
+from rapidformer.data.documents import DocumentCollate
 from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
 from rapidformer.data.token_check import check_token_ids
@@ -163,7 +164,34 @@ class Pretrainer(Trainer):
             train=datasets["train"],
             valid=datasets["valid"],
             test=datasets["test"],
-            collate_fn=self.pretrain_family.collate(self.tokenizer, cfg.model.seq_length),
+            collate_fn=self._collate(),
+        )
+
+    def _collate(self) -> Callable[..., Any]:
+        """The family's collate function; with the document flags, the document boundaries
+        computed on top (:mod:`rapidformer.data.documents`)."""
+        cfg = self.config
+        collate = self.pretrain_family.collate(self.tokenizer, cfg.model.seq_length)
+        data = cfg.data
+        if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss):
+            return collate
+        if self.engine.is_main_process:
+            done = [
+                what
+                for what, on in (
+                    ("positions restart", data.reset_position_ids),
+                    ("attention stays within its document", data.reset_attention_mask),
+                    ("no loss where the input is the end of a document", data.eod_mask_loss),
+                )
+                if on
+            ]
+            log.info("data: documents inside a sample: %s", "; ".join(done))
+        return DocumentCollate(
+            self.tokenizer.eod,
+            reset_position_ids=data.reset_position_ids,
+            reset_attention_mask=data.reset_attention_mask,
+            eod_mask_loss=data.eod_mask_loss,
+            collate=collate,
         )
 
     def model_inputs(self, batch: Any) -> ModelInputs:

@@ -22,9 +22,11 @@ from rapidformer.data.bert_dataset import IGNORE_INDEX, BertDataset, bert_collat
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.distributed import process_group
 from rapidformer.distributed.process_group import Group
+from rapidformer.errors import Violation
 from rapidformer.models.bert import BertConfig, BertModel
 from rapidformer.step_io import ModelInputs, local_loss, whole
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
+from rapidformer.templates.families.gpt import document_violations
 
 
 class BertFamily(PretrainFamily):
@@ -32,6 +34,9 @@ class BertFamily(PretrainFamily):
 
     name = "bert"
     tokenizer_types = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+    def config_violations(self, config: RapidformerConfig) -> list[Violation]:
+        return document_violations(config, "bert")
 
     def build_model(self, config: RapidformerConfig, vocab_size: int, device: str) -> nn.Module:
         shape = BertConfig(**model_shape(config, vocab_size))

@@ -16,12 +16,41 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.documents import IGNORE_INDEX
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.errors import Violation
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
+
+DOCUMENT_INPUTS = ("input_ids", "position_ids", "document_mask")
+DOCUMENT_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def document_violations(config: RapidformerConfig, family: str = "gpt") -> list[Violation]:
+    """The document flags are the built-in GPT's, on one pipeline stage, without sequence
+    parallelism (the positions and the mask cover the whole sequence)."""
+    given = [f"--{name.replace('_', '-')}" for name in DOCUMENT_FLAGS
+             if getattr(config.data, name)]  # fmt: skip
+    if not given:
+        return []
+    parallel = config.parallel
+    problem, fix = "", "drop it"
+    if family != "gpt":
+        problem = f"applies to the built-in GPT's pretraining (this run: {family})"
+    elif parallel.pipeline_model_parallel_size > 1:
+        problem = (
+            "the positions and the document mask do not cross pipeline stages yet (this run: "
+            f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size})"
+        )
+        fix = "drop it, or --pipeline-model-parallel-size"
+    elif parallel.sequence_parallel:
+        problem = "cannot run with --sequence-parallel: the mask covers the whole sequence"
+        fix = "drop it, or --sequence-parallel"
+    if not problem:
+        return []
+    return [Violation(flag, True, problem, fix) for flag in given]
 
 
 class GPTFamily(PretrainFamily):
@@ -31,15 +60,17 @@ class GPTFamily(PretrainFamily):
     tokenizer_types = ("GPT2BPETokenizer",)
 
     def config_violations(self, config: RapidformerConfig) -> list[Violation]:
+        violations = document_violations(config)
         if config.data.merge_file is not None:
-            return []
+            return violations
         return [
+            *violations,
             Violation(
                 "--merge-file",
                 None,
                 "the GPT-2 BPE tokenizer needs its merges file",
                 "pass --merge-file merges.txt",
-            )
+            ),
         ]
 
     def build_model(self, config: RapidformerConfig, vocab_size: int, device: str) -> nn.Module:
@@ -53,9 +84,13 @@ class GPTFamily(PretrainFamily):
         return default_collate  # every GPT sample has --seq-length tokens
 
     def inputs(self, batch: Any) -> ModelInputs:
+        if "documents" in batch:  # --reset-position-ids / --reset-attention-mask
+            return {key: batch[key] for key in DOCUMENT_INPUTS if key in batch}
         return (batch["input_ids"],)
 
     def loss_inputs(self, batch: Any) -> ModelInputs:
+        if "documents" in batch:
+            return {**self.inputs(batch), "labels": batch["labels"]}  # type: ignore[dict-item]
         return (batch["input_ids"], None, batch["labels"])
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
@@ -68,5 +103,7 @@ class GPTFamily(PretrainFamily):
         return {"input_ids": tokens, "labels": tokens.clone()}
 
     def weight(self, batch: Any) -> int | torch.Tensor:
-        """Every predicted token."""
+        """Every predicted token (with --eod-mask-loss, every one not ignored)."""
+        if "documents" in batch:
+            return (batch["labels"] != IGNORE_INDEX).sum()
         return int(batch["labels"].numel())
