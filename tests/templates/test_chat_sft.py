@@ -190,3 +190,26 @@ def test_rendered_samples_are_cached_beside_the_dataset(
     shorter = prepare(seq_length=64)
     assert not any("cache" in n for n in [*other.extra["notes"], *shorter.extra["notes"]])
     assert shorter.rows != first.rows
+
+
+def test_packing_composes_with_the_fused_loss_and_recompute(
+    chat: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """The fused LM loss reads the packed labels (each sample's first token ignored) and
+    recomputation replays the masked attention: the same losses as the plain packed run."""
+    model_dir, _, data = chat
+    flags = [
+        *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
+        *("--data-dir", str(data), "--seq-length", str(SEQ), "--packing"),
+        *("--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "4"),
+        *("--log-interval", "1", "--eval-interval", "1000"),
+    ]
+    runs = {"plain": [], "fused": ["--fused-lm-loss"],
+            "full": ["--recompute-granularity", "full"],
+            "selective": ["--recompute-granularity", "selective"]}  # fmt: skip
+    losses = {}
+    for name, extra in runs.items():
+        assert main([*flags, *extra, "--save", str(tmp_path / name)]) == 0
+        losses[name] = read_losses(tmp_path / name)
+    for name in ("fused", "full", "selective"):
+        assert max(abs(losses[name][s] - losses["plain"][s]) for s in range(1, 5)) <= 1e-5
