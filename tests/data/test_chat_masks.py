@@ -210,3 +210,24 @@ def test_conversations_without_a_template_are_refused_with_the_fix(tokenizer: An
     renderer = ChatRenderer(tokenizer, 64)  # the tiny model's tokenizer has no template
     with pytest.raises(DataError, match="--chat-template FILE"):
         renderer.render(Sample(turns=CONVERSATIONS["a tool call"]), 0, "train")
+
+
+def test_tool_definitions_reach_the_template(tokenizer: Any) -> None:
+    """A ``tools`` column is rendered by the template (here into the system turn); the mask
+    still equals the tagged one."""
+    template = (
+        "{%- if tools -%}{{- '<|im_start|>system\\n' + (tools | tojson) + '<|im_end|>\\n' -}}"
+        "{%- endif -%}" + TEMPLATES["chatml"]
+    )
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    turns = CONVERSATIONS["a tool call"]
+    rendered = _renderer(tokenizer, _untagged(template)).render(
+        Sample(turns=turns, tools=tools), 0, "train"
+    )
+    tagged = tokenizer.apply_chat_template(
+        turns, chat_template=template, tools=tools, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    assert rendered.input_ids == tagged["input_ids"]
+    assert "weather" in tokenizer.decode(rendered.input_ids)
+    assert rendered.supervised == [bool(on) for on in tagged["assistant_masks"]]

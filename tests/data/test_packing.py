@@ -18,6 +18,7 @@ from rapidformer.data.packing import (
     check_packable,
     collate_packed,
     pack_rows,
+    packed_mask,
 )
 from rapidformer.errors import ConfigError
 
@@ -64,7 +65,10 @@ def test_a_packed_batch_gives_each_sample_its_own_losses_and_gradients(
     assert len(rows) == 3  # 69 tokens: at least three rows of 32
     batch = collate_packed(rows, LENGTH, pad_id=0)
     model = _model(kind, attention)
-    packed_inputs = {"attention_mask": batch["packed_mask"], "position_ids": batch["position_ids"]}
+    packed_inputs = {
+        "attention_mask": packed_mask(batch["packed_samples"]),
+        "position_ids": batch["position_ids"],
+    }
     logits = model(input_ids=batch["input_ids"], **packed_inputs).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
     packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
@@ -97,7 +101,7 @@ def test_a_samples_logits_do_not_move_when_its_row_mate_changes() -> None:
         batch = collate_packed(pack_rows([sample, mate], LENGTH), LENGTH, pad_id=0)
         inputs = {"position_ids": batch["position_ids"]}
         if masked:
-            inputs["attention_mask"] = batch["packed_mask"]
+            inputs["attention_mask"] = packed_mask(batch["packed_samples"])
         with torch.no_grad():
             out = model(input_ids=batch["input_ids"], **inputs).logits[0]
         start = 0 if len(mate["input_ids"]) < 12 else len(mate["input_ids"])  # longest first

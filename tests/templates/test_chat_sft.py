@@ -100,6 +100,8 @@ def test_a_black_box_run_learns_the_assistant_turns_in_full_and_with_adapters(
     said = capfd.readouterr().err
     losses = read_losses(tmp_path / "run")
     assert losses[12] < 0.7 * losses[1]
+    saved = AutoTokenizer.from_pretrained(tmp_path / "run")  # renders as training did
+    assert saved.chat_template == template.read_text()
     # Adapters on the same chat data: the base's first loss (B = 0), then they learn.
     assert main([*flags, "--lora-rank", "8", "--save", str(tmp_path / "lora")]) == 0
     adapted = read_losses(tmp_path / "lora")

@@ -41,6 +41,15 @@ def load_pretrained(state: TrainState, source: str) -> str:
             "with --load, or fold them in first (python -m rapidformer.export --merge-lora)"
         )
     weights = read_model_state(path, saved_format(path, record))
+    if state.mesh.dims.pp == 1:  # a pipeline rank holds only its stages' keys
+        held = {k for part in state.model_parts for k in part.state_dict()}
+        extra = sorted(k for k in weights if k not in held)
+        if extra:
+            raise CheckpointError(
+                f"--pretrained-checkpoint {path} is not a model of this shape: it has "
+                f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which this model "
+                f"lacks. Fix: pass the model flags it was trained with (its {PROGRESS} holds them)"
+            )
     options = StateDictOptions(full_state_dict=True, strict=False)
     for part in state.model_parts:
         # Whole shapes (a DTensor reports its global one): no value is gathered.

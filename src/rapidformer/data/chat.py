@@ -15,7 +15,7 @@ Rendering and the loss mask are in :mod:`rapidformer.data.chat_masks`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from rapidformer.errors import DataError
@@ -23,6 +23,7 @@ from rapidformer.errors import DataError
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGES = "messages"
 PROMPT, COMPLETION = "prompt", "completion"
+TOOLS = "tools"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Sample:
     supervised_from: int = 0
     prompt: str | None = None
     completion: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    """The tool definitions the template renders (a ``tools`` column), if any."""
 
 
 def data_format(columns: Sequence[str]) -> str:
@@ -50,9 +53,25 @@ def samples(rows: Any, split: str) -> list[Sample]:
     """The split's rows as :class:`Sample`, each checked (DataError naming the row)."""
     kind = data_format(rows.column_names)
     if kind == "messages":
-        return [_conversation(row, i, split) for i, row in enumerate(rows[MESSAGES])]
-    pairs = zip(rows[PROMPT], rows[COMPLETION], strict=True)
-    return [_prompt_completion(p, c, i, split) for i, (p, c) in enumerate(pairs)]
+        found = [_conversation(row, i, split) for i, row in enumerate(rows[MESSAGES])]
+    else:
+        pairs = zip(rows[PROMPT], rows[COMPLETION], strict=True)
+        found = [_prompt_completion(p, c, i, split) for i, (p, c) in enumerate(pairs)]
+    if TOOLS not in rows.column_names:
+        return found
+    tools = [_tools(value, i, split) for i, value in enumerate(rows[TOOLS])]
+    if any(s.turns is None and t for s, t in zip(found, tools, strict=True)):
+        _refuse(split, tools.index(next(t for t in tools if t)),
+                "has tools beside a string prompt: tools go with conversations")  # fmt: skip
+    return [replace(s, tools=t) for s, t in zip(found, tools, strict=True)]
+
+
+def _tools(value: Any, row: int, split: str) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        _refuse(split, row, "has tools that are not a list of tool definitions")
+    return [dict(t) for t in value] or None
 
 
 def _conversation(turns: Any, row: int, split: str) -> Sample:

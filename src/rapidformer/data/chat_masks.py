@@ -53,7 +53,7 @@ class ChatRenderer:
     ) -> None:
         self.tokenizer = tokenizer
         self.seq_length = seq_length
-        self.template = template if template is not None else tokenizer.chat_template
+        self.template = template if template is not None else _default_template(tokenizer)
         self.template_name = template_name or (
             f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}"
         )
@@ -66,6 +66,7 @@ class ChatRenderer:
             )
 
     def render(self, sample: Sample, row: int, split: str) -> Rendered:
+        marked: list[int] | None = None
         if sample.turns is None:
             assert sample.prompt is not None and sample.completion is not None
             text, spans = self._instruction(sample.prompt, sample.completion)
@@ -77,12 +78,12 @@ class ChatRenderer:
                     "exist. Fix: pass --chat-template FILE (a Jinja template, as "
                     "tokenizer_config.json's chat_template)"
                 )
-            text, spans = self._conversation(sample, row, split)
+            text, spans, marked = self._conversation(sample, row, split)
             # The template writes the special tokens (a BOS among them) itself.
             encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = encoded["input_ids"]
         supervised = [self.train_on_inputs] * len(ids)
-        for index in covered(encoded["offset_mapping"], spans):
+        for index in marked if marked is not None else covered(encoded["offset_mapping"], spans):
             supervised[index] = True
         cut = self.seq_length
         return Rendered(ids[:cut], supervised[:cut], truncated=len(ids) > cut)
@@ -96,26 +97,28 @@ class ChatRenderer:
 
     def _conversation(
         self, sample: Sample, row: int, split: str
-    ) -> tuple[str, list[tuple[int, int]]]:
+    ) -> tuple[str, list[tuple[int, int]], list[int] | None]:
+        """The rendered conversation, and the assistant's characters (or, read from the
+        template's tags, directly its tokens)."""
         assert sample.turns is not None
         turns = sample.turns
-        whole = self._render(turns, row, split)
+        whole = self._render(turns, row, split, tools=sample.tools)
         spans = []
         for index in range(sample.supervised_from, len(turns)):
             if turns[index]["role"] != "assistant":
                 continue
-            before = self._render(turns[:index], row, split, generation_prompt=True)
-            through = self._render(turns[: index + 1], row, split)
+            before = self._render(
+                turns[:index], row, split, generation_prompt=True, tools=sample.tools
+            )
+            through = self._render(turns[: index + 1], row, split, tools=sample.tools)
             if not (whole.startswith(through) and through.startswith(before)):
-                return whole, self._tagged_spans(sample, whole, row, split)
+                return whole, [], self._tagged_tokens(sample, whole, row, split)
             spans.append((len(before), len(through)))
-        return whole, spans
+        return whole, spans, None
 
-    def _tagged_spans(
-        self, sample: Sample, whole: str, row: int, split: str
-    ) -> list[tuple[int, int]]:
-        """The assistant's characters as the template's ``{% generation %}`` tags mark them,
-        for a template whose prefixes do not render as the start of the whole."""
+    def _tagged_tokens(self, sample: Sample, whole: str, row: int, split: str) -> list[int]:
+        """The assistant's tokens as the template's ``{% generation %}`` tags mark them, for a
+        template whose prefixes do not render as the start of the whole."""
         tagged = self.template is not None and GENERATION_TAG.search(self.template) is not None
         if not tagged or sample.supervised_from:
             raise DataError(
@@ -127,26 +130,31 @@ class ChatRenderer:
                 + ". Fix: pass --chat-template FILE with {% generation %}...{% endgeneration %} "
                 "around each assistant turn (of a messages column), or --train-on-inputs"
             )  # fmt: skip
-        rendered = self.tokenizer.apply_chat_template(
-            sample.turns, chat_template=self.template, tokenize=False,
-            return_assistant_tokens_mask=False,
-        )  # fmt: skip
-        assert rendered == whole
         marked = self.tokenizer.apply_chat_template(
             sample.turns, chat_template=self.template, tokenize=True, return_dict=True,
-            return_assistant_tokens_mask=True,
+            return_assistant_tokens_mask=True, tools=sample.tools,
         )  # fmt: skip
-        encoded = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = encoded["offset_mapping"]
-        return [offsets[i] for i, on in enumerate(marked["assistant_masks"]) if on]
+        encoded = self.tokenizer(whole, add_special_tokens=False)
+        if list(marked["input_ids"]) != list(encoded["input_ids"]):
+            raise DataError(
+                f"{self.template_name} tokenizes the {split} split's row {row} otherwise with "
+                "its tags than without. Fix: --train-on-inputs, or a template whose prefixes "
+                "render as the start of the whole"
+            )
+        return [i for i, on in enumerate(marked["assistant_masks"]) if on]
 
     def _render(
-        self, turns: list[dict[str, Any]], row: int, split: str, generation_prompt: bool = False
+        self,
+        turns: list[dict[str, Any]],
+        row: int,
+        split: str,
+        generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 turns, chat_template=self.template, tokenize=False,
-                add_generation_prompt=generation_prompt,
+                add_generation_prompt=generation_prompt, tools=tools,
             )  # fmt: skip
         except Exception as exc:
             raise DataError(
@@ -156,10 +164,19 @@ class ChatRenderer:
 
 
 def covered(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """Indices of the tokens (character ``offsets``) that overlap any of ``spans``; tokens
-    with no characters (a BOS the tokenizer adds) overlap nothing."""
+    """Indices of the tokens (character ``offsets``) that overlap any of ``spans``, as
+    transformers marks tagged spans (a token with no characters counts where it stands inside
+    a span; a BOS the tokenizer adds at (0, 0) overlaps nothing)."""
     return [
         index
         for index, (start, end) in enumerate(offsets)
-        if end > start and any(start < stop and end > begin for begin, stop in spans)
+        if any(start < stop and end > begin for begin, stop in spans)
     ]
+
+
+def _default_template(tokenizer: Any) -> str | None:
+    """The tokenizer's template (its default one where it has several, named); None if none."""
+    try:
+        return str(tokenizer.get_chat_template())
+    except ValueError:  # transformers' "no chat template" error
+        return None

@@ -7,12 +7,13 @@ tokens, each attending only to itself.
 * **What a row holds**: each sample's tokens, its labels with its first token's cleared (that
   token would be scored from the last position of the sample before it), positions restarting
   at 0, and which sample each token belongs to.
-* **What the model is given** (:func:`collate_packed`): the positions, and a block-diagonal
-  causal mask built here on the host from those sample ids, additive (0 where a token may
-  attend, the dtype's lowest value where not): transformers' ``sdpa`` and ``eager`` attention
-  take it as it is, fp32 and under autocast alike; ``eager`` misreads a boolean one. Padding
-  at a row's end attends to itself only (a row of nothing but masked scores would be NaN).
-  Nothing about the boundaries is inferred on the device.
+* **What the model is given**: the positions, and a block-diagonal causal mask
+  (:func:`packed_mask`) built from the sample ids the collate function computed on the host
+  (:func:`collate_packed`), additive (0 where a token may attend, the dtype's lowest value
+  where not): transformers' ``sdpa`` and ``eager`` attention take it as it is, fp32 and under
+  autocast alike; ``eager`` misreads a boolean one. Padding at a row's end attends to the
+  padding before it (a row of nothing but masked scores would be NaN). Only the ``T x T``
+  expansion of the ids happens where the batch is; no boundary is inferred there.
 
 Without the mask, attention would cross samples: position ids restarting at 0 confine it only
 in flash-attention's varlen kernels (a tiny Llama's logits move by 0.61 on a CPU).
@@ -77,8 +78,9 @@ def pack_rows(samples: Sequence[Mapping[str, Any]], capacity: int) -> list[dict[
 
 def collate_packed(rows: Sequence[Mapping[str, Any]], length: int, pad_id: int) -> dict[str, Any]:
     """Packed rows as tensors of ``length`` tokens: ``input_ids``, ``labels``, ``position_ids``,
-    ``attention_mask`` (1 on real tokens: what throughput counts) and ``packed_mask``
-    ``[batch, 1, length, length]`` (see the module docstring)."""
+    ``attention_mask`` (1 on real tokens: what throughput counts) and ``packed_samples`` (the
+    sample each token belongs to, -1 on padding), from which :func:`packed_mask` builds the
+    attention mask where the batch is."""
     count = len(rows)
     ids = torch.full((count, length), pad_id, dtype=torch.long)
     labels = torch.full((count, length), IGNORE_INDEX, dtype=torch.long)
@@ -90,20 +92,26 @@ def collate_packed(rows: Sequence[Mapping[str, Any]], length: int, pad_id: int) 
         labels[i, :n] = torch.tensor(row["labels"])
         positions[i, :n] = torch.tensor(row["position_ids"])
         sample[i, :n] = torch.tensor(row["sample"])
-    token = torch.arange(length)
-    causal = token[None, :] <= token[:, None]
-    same = sample[:, :, None] == sample[:, None, :]
-    allowed = (same & causal) | torch.eye(length, dtype=torch.bool)  # padding sees itself
-    mask = torch.zeros((count, 1, length, length)).masked_fill(
-        ~allowed[:, None], torch.finfo(torch.float32).min
-    )
     return {
         "input_ids": ids,
         "labels": labels,
         "position_ids": positions,
         "attention_mask": (sample >= 0).long(),
-        "packed_mask": mask,
+        "packed_samples": sample,
     }
+
+
+def packed_mask(samples: torch.Tensor) -> torch.Tensor:
+    """The additive block-diagonal causal mask ``[B, 1, T, T]`` of packed rows whose tokens
+    belong to ``samples`` ``[B, T]`` (-1: padding, which attends to the padding before it).
+    Built where the batch is, from the boundaries the collate function found on the host: a
+    row of ``T`` ids crosses to the device instead of a ``T x T`` mask."""
+    length = samples.shape[1]
+    token = torch.arange(length, device=samples.device)
+    causal = token[None, :] <= token[:, None]
+    allowed = (samples[:, :, None] == samples[:, None, :]) & causal
+    mask = torch.zeros(allowed.shape, device=samples.device)
+    return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
 
 
 class PackedCollate:

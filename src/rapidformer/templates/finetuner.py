@@ -108,6 +108,17 @@ class Finetuner(Trainer):
             )
         violations += chat_violations(config, canonical_task(task) if task else None)
         violations += document_violations(config, "fine-tuning")
+        if config.checkpoint.pretrained_checkpoint is not None:
+            violations.append(
+                Violation(
+                    "--pretrained-checkpoint",
+                    config.checkpoint.pretrained_checkpoint,
+                    "the Finetuner starts from --pretrained-model-name-or-path (its adapters "
+                    "name that directory as their base)",
+                    "export the checkpoint (python -m rapidformer.export) and pass the exported "
+                    "directory as --pretrained-model-name-or-path",
+                )
+            )
         defaults = cls.build_model is Finetuner.build_model or (
             cls.build_data is Finetuner.build_data
             and cls.build_tokenizer is Finetuner.build_tokenizer
@@ -205,7 +216,11 @@ class Finetuner(Trainer):
         """The tokenizer of the pretrained model."""
         path = self.config.model.pretrained_model_name_or_path
         assert path is not None
-        return load_tokenizer(path, self.config.model.trust_remote_code)
+        tokenizer = load_tokenizer(path, self.config.model.trust_remote_code)
+        template = self.config.data.chat_template
+        if template is not None:  # saved with the model: inference renders as training did
+            tokenizer.chat_template = Path(template).read_text()
+        return tokenizer
 
     def build_model(self) -> nn.Module:
         path = self.config.model.pretrained_model_name_or_path

@@ -101,6 +101,16 @@ class Pretrainer(Trainer):
         violations += chat_violations(config, "pretraining")
         adapters = config.adapters
         built_in = cls.build_model is Pretrainer.build_model
+        if built_in and adapters.quantize_base is not None:
+            violations.append(
+                Violation(
+                    "--quantize-base",
+                    adapters.quantize_base,
+                    "the built-in GPT and BERT are built on the meta device and get their base "
+                    "weights only once materialised and loaded: NF4 would quantise no values",
+                    "drop --quantize-base (bf16 LoRA stores the frozen linear weights in bf16)",
+                )
+            )
         if built_in and lora_on(config) and config.checkpoint.pretrained_checkpoint is None:
             flag = "--lora-rank" if adapters.lora_rank is not None else "--lora-adapter"
             violations.append(

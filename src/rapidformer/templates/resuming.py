@@ -61,7 +61,9 @@ def _start_from(source: str, state: TrainState, config: RapidformerConfig, main:
     frozen base every resume needs again (their checkpoints hold no base)."""
     sha256 = load_pretrained(state, source)
     if state.frozen_base is not None:
-        state.frozen_base = replace(state.frozen_base, fingerprint=sha256, source=source)
+        # Resolved: an export run from another directory finds the base again.
+        where = str(Path(source).resolve())
+        state.frozen_base = replace(state.frozen_base, fingerprint=sha256, source=where)
         # The adapters' own start, on the base now in place (DoRA's magnitude is its norms).
         for part in state.model_parts:
             start_adapters(part, config)

@@ -105,6 +105,10 @@ def test_adapters_start_from_the_pretrained_checkpoint_and_export_merged(
     with pytest.raises(CheckpointError, match="trained on another base"):
         _run(data, tmp_path / "lora", "--pretrained-checkpoint", str(other), "--train-iters", "4",
              *ADAPTERS)  # fmt: skip
+    # A checkpoint of another shape is refused, named (here: a layer this model lacks).
+    with pytest.raises(CheckpointError, match=r"blocks\.1\..* which this model lacks"):
+        _run(data, tmp_path / "narrow", "--pretrained-checkpoint", str(base_dir),
+             "--train-iters", "1", "--num-layers", "1", "--lr", "1e-3")  # fmt: skip
     # --merge-lora: a plain Hugging Face GPT-2 computing what the adapted model does.
     out = export_checkpoint(tmp_path / "dora", tmp_path / "merged", merge_lora=True)
     merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -147,3 +151,19 @@ def test_zero3_adapters_resume_on_dp2_x_tp2_as_one_process_runs(
     assert one.keys() == zero3.keys() == set(range(1, 9)) and tp.keys() == set(range(5, 9))
     assert max(abs(one[s] - zero3[s]) for s in one) <= TOLERANCE
     assert max(abs(one[s] - tp[s]) for s in tp) <= TOLERANCE
+
+
+def test_qlora_and_the_finetuners_pretrained_checkpoint_are_refused_before_anything_is_built(
+    base: tuple[PretrainingData, Path],
+) -> None:
+    from rapidformer.templates.finetuner import Finetuner
+
+    data, base_dir = base
+    flags = [*data.flags(), *FLAGS, *ADAPTERS, "--pretrained-checkpoint", str(base_dir),
+             "--train-iters", "1", "--precision", "bf16", "--quantize-base", "nf4"]  # fmt: skip
+    refused = Pretrainer.config_violations(parse_args(flags))
+    assert any(v.flag == "--quantize-base" and "meta device" in v.rule for v in refused)
+    finetuning = parse_args(["--task", "causal_lm", "--pretrained-model-name-or-path", "x",
+                             "--pretrained-checkpoint", str(base_dir)])  # fmt: skip
+    refused = Finetuner.config_violations(finetuning)
+    assert any(v.flag == "--pretrained-checkpoint" for v in refused)

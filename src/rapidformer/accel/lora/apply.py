@@ -76,6 +76,13 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
             "GPT and BERT are): its weights would be a random initialisation, not a base to adapt",
             "pass the base as --pretrained-checkpoint (a finished run's checkpoint)",
         )  # fmt: skip
+    if on_meta and not config.planning.dry_run and config.adapters.quantize_base is not None:
+        raise ConfigError.single(
+            "--quantize-base", config.adapters.quantize_base,
+            f"{type(model).__name__} is built on the meta device and gets its base weights only "
+            "once materialised and loaded: NF4 would quantise no values",
+            "drop --quantize-base (bf16 LoRA stores the frozen linear weights in bf16)",
+        )  # fmt: skip
     if settings.modules_to_save:  # an adapter's
         saved = present_modules(model, settings.modules_to_save)
     else:

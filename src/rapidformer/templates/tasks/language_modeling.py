@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from rapidformer.data.packing import packed_mask
 from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
 from rapidformer.templates.batches import IGNORE_INDEX
@@ -179,10 +180,10 @@ class CausalLM(LanguageModeling):
         return batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if "packed_mask" in batch:  # --packing: each sample attends to itself only
+        if "packed_samples" in batch:  # --packing: each sample attends to itself only
             return {
                 "input_ids": batch["input_ids"],
-                "attention_mask": batch["packed_mask"],
+                "attention_mask": packed_mask(batch["packed_samples"]),
                 "position_ids": batch["position_ids"],
             }
         return super().inputs(batch)

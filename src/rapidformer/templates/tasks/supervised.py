@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,12 +136,15 @@ def supervised_features(
     code can run from it)."""
     cache = _cache_file(rows, split, tokenizer, seq_length, options)
     if cache is not None and cache.is_file():
-        saved = json.loads(cache.read_text())
-        notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache}"]
-        return Features(saved["rows"], split, notes=notes)
+        try:
+            saved = json.loads(cache.read_text())
+            notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache}"]
+            return Features(saved["rows"], split, notes=notes)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache file: rendered again, and rewritten
     features = _render_split(rows, split, tokenizer, seq_length, options)
     if cache is not None:
-        staged = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        staged = cache.with_name(f"{cache.name}.{socket.gethostname()}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):  # a read-only cache only costs the next run time
             staged.write_text(json.dumps({"rows": features.rows,
                                           "notes": features.extra["notes"]}))  # fmt: skip
@@ -168,9 +172,17 @@ def _cache_file(
         "train_on_inputs": options.train_on_inputs,
         "drop_unsupervised": options.drop_unsupervised,
         "eos": tokenizer.eos_token,
+        "bos": tokenizer.bos_token,
+        "transformers": _transformers_version(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(files[0]["filename"]).parent / f"rapidformer-chat-{digest}.json"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _render_split(
