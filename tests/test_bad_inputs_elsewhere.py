@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -78,6 +79,10 @@ def test_every_bad_input_says_the_same_through_a_scripts_fit(
 
 
 CONFIG_ERROR = "rapidformer: error: invalid rapidformer configuration"
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -92,10 +97,15 @@ def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
 
     def command(argv: list[str]) -> tuple[int, str]:
         capfd.readouterr()
-        try:
-            code = main(argv)
-        except SystemExit as exit:  # argparse's own errors are not config errors
-            code = exit.code if isinstance(exit.code, int) else 1
+        # As from a shell: no launcher's variables left by an earlier test, and none of the
+        # launcher's own (it sets OMP_NUM_THREADS for its workers) left for a later one.
+        with mock.patch.dict(os.environ):
+            for name in LAUNCHER_VARIABLES:
+                os.environ.pop(name, None)
+            try:
+                code = main(argv)
+            except SystemExit as exit:  # argparse's own errors are not config errors
+                code = exit.code if isinstance(exit.code, int) else 1
         return code, capfd.readouterr().err
 
     config_cases = [
