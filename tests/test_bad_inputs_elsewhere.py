@@ -17,7 +17,7 @@ import pytest
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
 from tests.helpers.bad_inputs import CASES, WHITE_BOX, Case, Inputs, build_inputs
-from tests.helpers.trainers import DETERMINISTIC_SCRIPT
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, LAUNCHER_VARIABLES
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +79,6 @@ def test_every_bad_input_says_the_same_through_a_scripts_fit(
 
 
 CONFIG_ERROR = "rapidformer: error: invalid rapidformer configuration"
-LAUNCHER_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
-)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from rapidformer import parse_args
@@ -31,6 +32,21 @@ TINY_FLAGS = [
     "--clip-grad",
     "1.0",
 ]
+
+
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
+)  # fmt: skip
+"""What a launcher sets in its workers' environment (an in-process DeepSpeed run leaves
+LOCAL_RANK behind, as DeepSpeed needs it)."""
+
+
+def shell_env(**extra: str) -> dict[str, str]:
+    """This process's environment as a shell would give a new command: no launcher's
+    variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    return {**env, **extra}
 
 
 def tiny_trainer(*flags: str, dropout: float = 0.0) -> Trainer:

@@ -5,7 +5,6 @@ mean cross-entropy of exactly the assistant's tokens, and a black-box run learns
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from rapidformer.cli import main
 from rapidformer.templates.tasks import CausalLM
 from rapidformer.templates.tasks.supervised import ChatOptions
 from rapidformer.testing.chat import CHATML, chat_dataset, tiny_chat_model
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import read_losses, shell_env
 
 TAGGED = (
     "{%- for m in messages -%}"
@@ -155,7 +154,7 @@ def test_packed_runs_resume_exactly_and_two_ranks_match_one(
     assert main([*flags, "--save", str(tmp_path / "one"), "--save-interval", "3"]) == 0
     resumed = [*flags, "--load", str(tmp_path / "one" / "iter_0000003")]
     assert main([*resumed, "--save", str(tmp_path / "resumed")]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = shell_env(OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
                "--save", str(tmp_path / "two")]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
