@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from activation_memory import rss_kib  # one way to read the resident set
+from activation_memory import peak_rss_kib, rss_kib
 
 RESULT_PREFIX = "RESULT "
 MODES = ("full", "lora", "qlora")
@@ -39,13 +39,6 @@ FLAGS: dict[str, dict[str, Any]] = {
 SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12}
 QUICK_SHAPE = {"hidden_size": 384, "intermediate_size": 512, "num_hidden_layers": 2}
 SEQ, WARMUP, TIMED = 512, 2, 3
-
-
-def _peak_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def child(mode: str, shape: dict[str, int]) -> None:
@@ -78,7 +71,7 @@ def child(mode: str, shape: dict[str, int]) -> None:
     started = time.perf_counter()
     losses += [engine.run_step([batches[WARMUP + i]], step).loss for i in range(TIMED)]
     seconds = (time.perf_counter() - started) / TIMED
-    peak = _peak_kib()
+    peak = peak_rss_kib()
     with tempfile.TemporaryDirectory() as out:
         if state.frozen_base is not None:
             full_state = state.unwrapped_model.state_dict()

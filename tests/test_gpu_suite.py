@@ -41,7 +41,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
     names = ["precision", "throughput", "recompute", "optimizers", "dynamic_shape", "onnxruntime"]
-    names += ["adapters"]
+    names += ["adapters", "packing"]
     assert list(sections) == names
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert result["dry_run"] and result["machine"]["cpu"]
@@ -88,6 +88,15 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert list(adapters) == ["full", "lora", "qlora"]  # torchao is here (not on the GPU image)
     assert adapters["full"]["speed_vs_full"] == adapters["full"]["memory_vs_full"] == 1.0
     assert adapters["lora"]["trainable"] < 0.05 * adapters["full"]["trainable"]
+    packing = sections["packing"]["data"]["rows"]
+    assert list(packing) == ["padded", "buckets", "packed"]
+    # The same samples in every mode: packing leaves the least padding, and its ratios are
+    # the tokens/s it is compared by.
+    padding = [packing[mode]["padding"] for mode in ("packed", "buckets", "padded")]
+    assert padding == sorted(padding) and padding[0] < padding[1], padding
+    for row in packing.values():
+        speed = packing["packed"]["learned_tokens_per_s"] / row["learned_tokens_per_s"]
+        assert row["packed_vs_this"] == speed and row["eval_loss"] > 0
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 
@@ -102,7 +111,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not on the GPU image")
 sys.meta_path.insert(0, Block())
 sys.path[:0] = ["benchmarks/gpu", "benchmarks", "src", "."]
-import suite, side_by_side
+import suite, side_by_side, finetuning, packing
 import tests.helpers.gpu, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
 print("imported")
 """

@@ -21,6 +21,11 @@ Sections (each timed, each failing on its own without stopping the others):
 6. ``adapters``: a Hugging Face Llama of 1.1B, bf16, 1024 tokens: full fine-tuning, LoRA and
    QLoRA (rank 16), tokens/s and peak memory against full fine-tuning (QLoRA needs torchao,
    which the GPU image lacks unless its wheel is carried).
+7. ``packing``: the same Llama, bf16, one epoch over long-tailed samples padded to the longest,
+   in dynamic-shape buckets and packed (``benchmarks/packing.py``'s modes): learned tokens/s,
+   peak memory, eval loss.
+
+Sections 6 and 7 are in ``finetuning.py``.
 
 ``--dry-run`` runs the same code on tiny shapes (on a CPU in under two minutes); CI runs it so
 the suite never rots. Writes ``gpu_suite.json`` and ``gpu_suite.md`` to ``--out``; compile
@@ -46,37 +51,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the benchmarks' shared modules
 
 from common import footer, stamp  # noqa: E402
+from finetuning import adapters_section, packing_section  # noqa: E402
+from measure import peak_mb, reset_memory, sync, timed_steps  # noqa: E402
 
 from rapidformer.models.gpt import GPTConfig, GPTModel  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_mb(device: torch.device) -> float:
-    from rapidformer.logging import peak_memory_bytes
-
-    return peak_memory_bytes(device) / 2**20
-
-
-def _timed_steps(engine: Any, batch: Any, functions: Any, steps: int) -> tuple[float, Any]:
-    """Two warm-up steps, then ``steps`` timed ones; (seconds, the last loss tensor)."""
-    for _ in range(2):
-        engine.run_step([batch], functions)
-    _sync(engine.device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = engine.run_step([batch], functions).loss_tensor
-    _sync(engine.device)
-    return time.perf_counter() - started, loss
 
 
 # ---- 1. precision ------------------------------------------------------------------------
@@ -88,7 +66,7 @@ def precision_section(dry: bool) -> dict[str, Any]:
     rows = {}
     for name in precision.PRECISIONS:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        _reset_memory(device)
+        reset_memory(device)
         run = precision.run_one("bert", name, shape, steps, batch, seq)
         rows[name] = {
             "samples_per_s": batch / statistics.median(run["step_s"]),
@@ -137,7 +115,7 @@ def recompute_section(dry: bool) -> dict[str, Any]:
              "log_interval": 10**9, **options}
         )  # fmt: skip
         engine = RapidformerEngine(config, builds_optimizer=True)
-        _reset_memory(engine.device)
+        reset_memory(engine.device)
         state = engine.compose(row.build(seq, vocab))
         ids = torch.randint(
             0, vocab, (row.batch, seq + 1), generator=torch.Generator().manual_seed(0)
@@ -149,8 +127,8 @@ def recompute_section(dry: bool) -> dict[str, Any]:
             ),
             weight=lambda b: b.shape[0],
         )
-        elapsed, loss = _timed_steps(engine, ids, functions, steps)
-        measured = _peak_mb(engine.device)
+        elapsed, loss = timed_steps(engine, ids, functions, steps)
+        measured = peak_mb(engine.device)
         estimate = _dry_run_mb(config, row, seq, vocab)
         rows[name] = {
             "tokens_per_s": row.batch * seq * steps / elapsed,
@@ -218,10 +196,10 @@ def optimizer_section(dry: bool) -> dict[str, Any]:
         optimizer = build()
         times = []
         for index in range(2 if dry else 12):
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
             optimizer.step()
-            _sync(device)
+            sync(device)
             if index >= 2 or dry:
                 times.append(time.perf_counter() - started)
         rows[name] = {"step_ms": statistics.median(times) * 1e3}
@@ -264,66 +242,6 @@ def onnxruntime_section(dry: bool) -> dict[str, Any]:
     return {"providers": providers, "rows": rows}
 
 
-# ---- 6. adapters ------------------------------------------------------------------------
-ADAPTER_MODES: dict[str, dict[str, Any]] = {
-    "full": {},
-    "lora": {"lora_rank": 16},
-    "qlora": {"lora_rank": 16, "quantize_base": "nf4"},
-}
-LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
-            "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
-LLAMA_TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-
-
-def adapters_section(dry: bool) -> dict[str, Any]:
-    """A Hugging Face Llama of 1.1B (tiny in a dry run), bf16, one sequence of 1024 tokens:
-    tokens/s and peak memory of full fine-tuning, LoRA and QLoRA (rank 16, every linear layer),
-    each against full fine-tuning (the target: LoRA >= 1.2x the tokens/s, <= 0.45x the
-    memory). QLoRA's row is skipped, with the reason, where torchao is not installed."""
-    import importlib.util
-
-    import transformers
-
-    from rapidformer import RapidformerConfig, RapidformerEngine
-    from rapidformer.step_io import StepFunctions
-
-    shape, seq, steps = (LLAMA_TINY, 64, 2) if dry else (LLAMA_1B, 1024, 10)
-    config = transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=seq, **shape)
-    rows: dict[str, dict[str, Any]] = {}
-    skipped: dict[str, str] = {}
-    for mode, flags in ADAPTER_MODES.items():
-        if "quantize_base" in flags and importlib.util.find_spec("torchao") is None:
-            skipped[mode] = "torchao is not installed here"
-            continue
-        options = {"lr": 1e-4, "precision": "bf16", "log_interval": 10**9, **flags}
-        engine = RapidformerEngine(RapidformerConfig.from_dict(options), builds_optimizer=True)
-        _reset_memory(engine.device)
-        torch.manual_seed(0)
-        state = engine.compose(transformers.LlamaForCausalLM(config))
-        ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(engine.device)
-        functions = StepFunctions(
-            train_step=lambda b, m=state.model: m(input_ids=b, labels=b).loss,
-            weight=lambda b: b.numel(),
-        )
-        elapsed, loss = _timed_steps(engine, ids, functions, steps)
-        trainable = sum(p.numel() for p in state.parameters if p.requires_grad)
-        rows[mode] = {
-            "tokens_per_s": seq * steps / elapsed,
-            "peak_memory_mb": _peak_mb(engine.device),
-            "trainable": trainable,
-            "loss": float(loss),
-        }
-        engine.close()
-        del state, functions, ids, loss  # the next mode's peak must not hold this one's
-        gc.collect()
-    for values in rows.values():
-        values["speed_vs_full"] = values["tokens_per_s"] / rows["full"]["tokens_per_s"]
-        values["memory_vs_full"] = values["peak_memory_mb"] / rows["full"]["peak_memory_mb"]
-    return {"shape": shape, "seq": seq, "rows": rows, "skipped_rows": skipped}
-
-
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "precision": precision_section,
     "throughput": throughput_section,
@@ -332,6 +250,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "dynamic_shape": dynamic_section,
     "onnxruntime": onnxruntime_section,
     "adapters": adapters_section,
+    "packing": packing_section,
 }
 
 

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+IGNORE_INDEX = -100
+"""The label a loss skips: torch's cross-entropy default, and every task's and collate's."""
+
 ModelInputs = tuple[Any, ...] | Mapping[str, Any]
 """What a model's forward is called with: positional arguments, or keyword arguments."""
 

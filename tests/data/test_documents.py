@@ -5,6 +5,8 @@ the collate function's parts are Megatron's, and the flags are refused where the
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from rapidformer.data.documents import IGNORE_INDEX, DocumentCollate
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.templates.families.gpt import document_violations
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import read_losses, shell_env
 
 EOD, TOLERANCE = 0, 1e-5
 ALL = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
@@ -107,3 +109,31 @@ def test_a_pretraining_run_with_the_document_flags_learns(
     assert "documents inside a sample: positions restart; attention stays within" in said
     losses = read_losses(tmp_path / "run")
     assert losses[12] < 0.9 * losses[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_document_flags_on_two_tensor_parallel_ranks_match_one_process(
+    tmp_path: Path,
+) -> None:
+    """The built-in tp_plan splits the heads over 2 ranks; each reads the whole document mask:
+    the losses of one process, within 1e-5 (other reductions)."""
+    data = build_pretraining_data(tmp_path / "gpt", "GPT2BPETokenizer", synthetic_documents(80))
+    flags = [
+        *("--task", "pretraining", *data.flags(), "--num-layers", "2", "--hidden-size", "32"),
+        *("--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2"),
+        *("--global-batch-size", "4", "--lr", "5e-3", "--train-iters", "6"),
+        *("--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0"),
+        *("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"),
+    ]  # no dropout: its masks are drawn per rank
+    assert main([*flags, "--save", str(tmp_path / "one")]) == 0
+    command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
+               "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2")]  # fmt: skip
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=shell_env(OMP_NUM_THREADS="1")
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, tp2 = read_losses(tmp_path / "one"), read_losses(tmp_path / "tp2")
+    gap = max(abs(one[step] - tp2[step]) for step in one)
+    print("tp2 largest loss gap to one process:", gap)
+    assert tp2.keys() == one.keys() == set(range(1, 7)) and gap <= 1e-5, (one, tp2)

@@ -1,6 +1,7 @@
 """The dry run's activation estimate against the memory a real step takes on the CPU.
 
-For the built-in GPT at three sizes, with and without recomputation, in fp32 and under bf16
+For the built-in GPT at three sizes, with and without recomputation, with documents packed
+into a sample (the document mask), in fp32 and under bf16
 autocast, with one micro-batch per step and with two: a child process trains through the
 engine (the CPU's fused attention) and measures how far a step's resident set rises above its
 start; the dry run of the same flags predicts that rise as the rank's total minus its
@@ -28,11 +29,15 @@ MODES: dict[str, dict[str, Any]] = {
     "none": {},
     "full": {"recompute_granularity": "full"},
     "selective": {"recompute_granularity": "selective"},
+    # Packed documents: positions per document and the [B, 1, T, T] boolean mask, which the
+    # CPU's attention turns into an additive one of the activations' dtype.
+    "documents": {"reset_position_ids": True, "reset_attention_mask": True},
 }
 CASES = [  # size, mode, micro-batches per step, precision
     ("small", "none", 1, "fp32"),
     ("small", "full", 2, "fp32"),
     ("medium", "none", 1, "fp32"),
+    ("medium", "documents", 1, "fp32"),
     ("medium", "selective", 1, "fp32"),
     ("medium", "full", 1, "fp32"),
     ("medium", "none", 1, "bf16"),

@@ -8,6 +8,7 @@ move anything at all."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -153,3 +154,59 @@ def test_moe_layer_on_grouped_mm_matches_the_reference() -> None:
         on_gpu.named_parameters(), exact.named_parameters(), strict=True
     ):
         assert (param.grad.double().cpu() - ref.grad).abs().max() <= tolerance, name
+
+
+def test_packed_rows_keep_each_sample_apart_on_cuda() -> None:
+    """A Hugging Face Llama (sdpa) on CUDA, fp32 without TF32: each sample's per-token losses
+    in packed rows (the block-diagonal mask built on the device from the collate's sample ids)
+    against the sample run alone and unpadded. Within 1e-4: the masked rows take another
+    attention kernel than the unmasked samples."""
+    pytest.importorskip("transformers")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        assert packed_against_alone("cuda") <= 1e-4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def packed_against_alone(device: str) -> float:
+    """The largest gap between a sample's per-token losses in packed rows and alone."""
+    import torch.nn.functional as F
+    import transformers
+
+    from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows, packed_mask
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    model.config._attn_implementation = "sdpa"
+    generator = torch.Generator().manual_seed(1)
+    samples = [torch.randint(1, 256, (n,), generator=generator).tolist()
+               for n in (40, 17, 63, 9, 28, 50)]  # fmt: skip
+    rows = pack_rows([{"input_ids": ids} for ids in samples], 64)
+    batch = {k: v.to(device) for k, v in collate_packed(rows, 64, pad_id=0).items()}
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+            attention_mask=packed_mask(batch["packed_samples"]),
+        ).logits[:, :-1].float()  # fmt: skip
+        targets = batch["labels"][:, 1:]
+        packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        alone = {}
+        for sample in samples:
+            ids = torch.tensor([sample], device=device)
+            out = model(input_ids=ids).logits[0, :-1].float()
+            alone[tuple(sample)] = F.cross_entropy(out, ids[0, 1:], reduction="none")
+    laid_out = []  # each sample's losses, in the order the rows hold the samples
+    for row in rows:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["sample"])]
+        for start, end in itertools.pairwise(starts):
+            laid_out.append(alone[tuple(row["input_ids"][start:end])])
+    expected = torch.cat(laid_out)
+    learned = packed[targets != IGNORE_INDEX]
+    assert learned.shape == expected.shape
+    return float((learned - expected).abs().max())

@@ -18,8 +18,7 @@ from torch.utils.data import Dataset
 
 from rapidformer.data.indexed import IndexedDataset
 from rapidformer.errors import DataError
-
-IGNORE_INDEX = -100
+from rapidformer.step_io import IGNORE_INDEX
 
 
 class BertDataset(Dataset):

@@ -24,7 +24,25 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-IGNORE_INDEX = -100
+from rapidformer.step_io import IGNORE_INDEX
+
+DOCUMENT_INPUTS = ("input_ids", "position_ids", "document_mask")
+"""What the built-in GPT is given from a batch with document parts (those it has)."""
+
+
+def document_collate(
+    data: Any, eod: int, collate: Callable[..., Any] = default_collate
+) -> DocumentCollate | None:
+    """The collate function of ``data``'s document flags (a DataConfig), None if none is set."""
+    if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss):
+        return None
+    return DocumentCollate(
+        eod,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+        collate=collate,
+    )
 
 
 class DocumentCollate:
@@ -46,20 +64,24 @@ class DocumentCollate:
         self.collate = collate
 
     def __call__(self, samples: Sequence[Any]) -> dict[str, torch.Tensor]:
-        batch = dict(self.collate(samples))
+        return self.add_parts(dict(self.collate(samples)))
+
+    def add_parts(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` (``input_ids`` and ``labels``) with the parts the flags ask for, made
+        where its tensors are (the dry run's are on the meta device)."""
         tokens = batch["input_ids"]
         is_eod = tokens == self.eod
         documents = torch.cumsum(is_eod, dim=1) - is_eod.long()  # an EOD ends its document
         batch["documents"] = documents
         if self.reset_position_ids:
-            index = torch.arange(tokens.shape[1]).expand_as(tokens)
+            index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             starts = torch.ones_like(is_eod)
             starts[:, 1:] = is_eod[:, :-1]
             first = torch.cummax(torch.where(starts, index, 0), dim=1).values
             batch["position_ids"] = index - first
         if self.reset_attention_mask:
             length = tokens.shape[1]
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
+            causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
             same = documents[:, :, None] == documents[:, None, :]
             batch["document_mask"] = (same & causal)[:, None]
         if self.eod_mask_loss:

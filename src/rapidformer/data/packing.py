@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
-"""The label the loss skips (the causal LM's and torch's cross-entropy default)."""
+from rapidformer.step_io import IGNORE_INDEX
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

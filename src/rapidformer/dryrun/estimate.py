@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.documents import DOCUMENT_INPUTS, DocumentCollate
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.distributed.tensors import local_part
 from rapidformer.dryrun.activations import MicroBatchActivations, measure_micro_batch
@@ -63,16 +64,23 @@ class Workload:
     seq_length: int
 
 
-def gpt_workload(shape: GPTConfig, micro_batch: int) -> Workload:
+def gpt_workload(
+    shape: GPTConfig, micro_batch: int, documents: DocumentCollate | None = None
+) -> Workload:
     """The built-in GPT of ``shape`` on micro-batches of ``micro_batch`` full-length sequences,
-    with the next-token loss (what the benchmarks estimate)."""
+    with the next-token loss (what the benchmarks estimate); with ``documents``, the positions
+    and document mask its flags add."""
     seq = shape.max_position_embeddings
+    ids = torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
+    if documents is not None:
+        batch = documents.add_parts(batch)
     return Workload(
         build=lambda: GPTModel.build(shape, "meta"),
-        batch={"input_ids": torch.zeros(micro_batch, seq, dtype=torch.long, device="meta")},
-        inputs=lambda batch: (batch["input_ids"],),
+        batch=batch,
+        inputs=lambda batch: {key: batch[key] for key in DOCUMENT_INPUTS if key in batch},
         loss=lambda out, batch: F.cross_entropy(
-            out.flatten(0, 1).float(), batch["input_ids"].flatten()
+            out.flatten(0, 1).float(), batch["labels"].flatten()
         ),
         hidden_size=shape.hidden_size,
         seq_length=seq,

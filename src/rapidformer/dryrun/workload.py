@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.documents import document_collate
 from rapidformer.data.splits import parse_data_path
 from rapidformer.dryrun.estimate import Workload
 from rapidformer.errors import ConfigError
@@ -29,9 +30,13 @@ def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tupl
     def build():  # type: ignore[no-untyped-def]
         return family.build_model(config, vocab_size, device="meta")
 
+    batch = family.example_batch(data.micro_batch_size, model.seq_length, "meta")
+    documents = document_collate(data, eod=0)
+    if documents is not None:  # positions and the [B, 1, T, T] mask are the micro-batch's too
+        batch = documents.add_parts(batch)
     work = Workload(
         build=build,
-        batch=family.example_batch(data.micro_batch_size, model.seq_length, "meta"),
+        batch=batch,
         inputs=family.loss_inputs if config.memory.fused_lm_loss else family.inputs,
         loss=family.loss,
         hidden_size=model.hidden_size or 0,
@@ -42,6 +47,7 @@ def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tupl
         f"built-in {family.name.upper()}: {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_attention_heads} heads, seq {model.seq_length}, vocab {vocab_size}, "
         f"{parameters:,} parameters"
+        + (", a document mask per micro-batch" if data.reset_attention_mask else "")
     )
     return work, description
 

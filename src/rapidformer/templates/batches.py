@@ -10,9 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rapidformer.errors import DataError, HookError
-
-IGNORE_INDEX = -100
-"""The label value every loss in rapidformer ignores (Hugging Face's convention)."""
+from rapidformer.step_io import IGNORE_INDEX
 
 StepOutput = torch.Tensor | Mapping[str, Any]
 """What ``train_step`` / ``eval_step`` return: the loss, or a dict with ``loss`` (and, for

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from rapidformer.accel.lora import lora_on
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
-from rapidformer.data.documents import DocumentCollate
+from rapidformer.data.documents import document_collate
 from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
 from rapidformer.data.token_check import check_token_ids
@@ -183,7 +183,8 @@ class Pretrainer(Trainer):
         cfg = self.config
         collate = self.pretrain_family.collate(self.tokenizer, cfg.model.seq_length)
         data = cfg.data
-        if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss):
+        documents = document_collate(data, self.tokenizer.eod, collate)
+        if documents is None:
             return collate
         if self.engine.is_main_process:
             done = [
@@ -196,13 +197,7 @@ class Pretrainer(Trainer):
                 if on
             ]
             log.info("data: documents inside a sample: %s", "; ".join(done))
-        return DocumentCollate(
-            self.tokenizer.eod,
-            reset_position_ids=data.reset_position_ids,
-            reset_attention_mask=data.reset_attention_mask,
-            eod_mask_loss=data.eod_mask_loss,
-            collate=collate,
-        )
+        return documents
 
     def model_inputs(self, batch: Any) -> ModelInputs:
         if self.config.memory.fused_lm_loss:  # the model computes its loss from the labels

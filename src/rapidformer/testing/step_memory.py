@@ -2,7 +2,9 @@
 dry run estimates it: the dry run's accuracy check (its test and its benchmark).
 
 A *spec* is ``{"config": {...RapidformerConfig fields}, "shape": {...GPTConfig fields}}``,
-with ``"world_size": N`` for N ranks under torchrun (data parallel, as the config says).
+with ``"world_size": N`` for N ranks under torchrun (data parallel, as the config says). With
+the config's document flags (``reset_attention_mask`` ...), micro-batches hold a document
+boundary every ``DOCUMENT_EVERY`` tokens and carry the positions and mask the flags add.
 
 **Measured** (:func:`measured_rise`): a child process trains through the engine with
 ``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
@@ -34,10 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.data.documents import DOCUMENT_INPUTS, document_collate
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import StepFunctions
 
 Spec = dict[str, Any]
+DOCUMENT_EVERY = 97
+"""Tokens between two ends of documents in the measured micro-batches."""
+EOD = 0
 
 
 def supported() -> bool:
@@ -50,7 +56,8 @@ def estimated_rise(spec: Spec) -> int:
     from rapidformer.dryrun import dry_run, gpt_workload
 
     config = RapidformerConfig.from_dict(spec["config"])
-    work = gpt_workload(GPTConfig(**spec["shape"]), config.data.micro_batch_size)
+    documents = document_collate(config.data, EOD)
+    work = gpt_workload(GPTConfig(**spec["shape"]), config.data.micro_batch_size, documents)
     rank = dry_run(config, spec.get("world_size", 1), work, "GPT").ranks[0]
     kept = rank.state.gradients if rank.gradients_kept else 0
     return rank.total - rank.state.parameters - rank.state.optimizer - kept
@@ -91,14 +98,19 @@ def _child(spec: Spec) -> None:
     engine = RapidformerEngine(config, builds_optimizer=True)
     state = engine.compose(GPTModel.build(shape, "meta"))
     micro, seq = config.data.micro_batch_size, shape.max_position_embeddings
-    ids = torch.randint(0, shape.vocab_size, (micro, seq))
+    ids = torch.randint(1, shape.vocab_size, (micro, seq))
+    ids[:, DOCUMENT_EVERY::DOCUMENT_EVERY] = EOD
+    batch = {"input_ids": ids, "labels": ids}
+    documents = document_collate(config.data, EOD)
+    if documents is not None:
+        batch = documents.add_parts(batch)
 
-    def loss(batch: torch.Tensor) -> torch.Tensor:
-        logits = state.model(batch)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch.flatten())
+    def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = state.model(**{key: batch[key] for key in DOCUMENT_INPUTS if key in batch})
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
 
-    batches = [ids] * engine.accumulation_steps
-    step = StepFunctions(train_step=loss, weight=lambda b: b.numel())
+    batches = [batch] * engine.accumulation_steps
+    step = StepFunctions(train_step=loss, weight=lambda b: b["labels"].numel())
     for _ in range(2):
         engine.run_step(batches, step)
     gc.collect()

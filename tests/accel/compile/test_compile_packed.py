@@ -4,14 +4,11 @@ losses of eager (the backend is dynamo's ``eager``: the same graphs and guards, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import transformers
 
 from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
-from rapidformer.accel.compile import apply as compile_module
 from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows
 from rapidformer.templates.tasks import CausalLM
 from tests.helpers.host_reads import counting_host_reads
@@ -19,12 +16,7 @@ from tests.helpers.host_reads import counting_host_reads
 LENGTH, STEPS = 48, 20
 
 
-@pytest.fixture(autouse=True)
-def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(compile_module, "BACKEND", "eager")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("eager_backend")
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

@@ -19,7 +19,6 @@ import transformers
 from torch import nn
 
 from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions, Trainer
-from rapidformer.accel.compile import apply as compile_module
 from rapidformer.cli import load_trainer_class
 from rapidformer.config.loading import parse_args
 from rapidformer.errors import ConfigError
@@ -29,12 +28,7 @@ from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses
 LAYERS = 10  # more than dynamo's default recompile limit (8)
 
 
-@pytest.fixture(autouse=True)
-def eager_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(compile_module, "BACKEND", "eager")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("eager_backend")
 
 
 @pytest.fixture

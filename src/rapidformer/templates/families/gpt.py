@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.documents import IGNORE_INDEX
+from rapidformer.data.documents import DOCUMENT_INPUTS, IGNORE_INDEX
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.errors import Violation
@@ -24,7 +24,6 @@ from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
 
-DOCUMENT_INPUTS = ("input_ids", "position_ids", "document_mask")
 DOCUMENT_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
