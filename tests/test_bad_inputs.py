@@ -22,6 +22,7 @@ from tests.helpers.bad_inputs import (
     HEADER,
     Case,
     Inputs,
+    argv_of,
     build_inputs,
     user_script,
 )
@@ -37,7 +38,7 @@ def test_bad_input_fails_with_a_message_naming_it(
     case: Case, inputs: Inputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     save = tmp_path / "save"
-    argv = [*case.argv(inputs), "--save", str(save)]
+    argv = argv_of(case, inputs, save)
     capsys.readouterr()
     try:
         code = main(argv)

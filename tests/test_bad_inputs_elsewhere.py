@@ -16,7 +16,7 @@ import pytest
 
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
-from tests.helpers.bad_inputs import CASES, WHITE_BOX, Case, Inputs, build_inputs
+from tests.helpers.bad_inputs import CASES, WHITE_BOX, Case, Inputs, argv_of, build_inputs
 from tests.helpers.trainers import DETERMINISTIC_SCRIPT, LAUNCHER_VARIABLES
 
 
@@ -67,7 +67,7 @@ def test_every_bad_input_says_the_same_through_a_scripts_fit(
     def job(index: int, case: Case) -> Callable[[], list[str]]:
         def run() -> list[str]:
             save = tmp_path / f"save{index}"
-            argv = [*case.argv(inputs), "--save", str(save)]
+            argv = argv_of(case, inputs, save)
             code, error = _run([sys.executable, str(FIT_DRIVER), *argv])
             return _failures(case, code, error, save)
 
@@ -107,13 +107,13 @@ def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
     config_cases = [
         case
         for case in CASES
-        if CONFIG_ERROR in command([*case.argv(inputs), "--save", str(tmp_path / "probe")])[1]
+        if CONFIG_ERROR in command(argv_of(case, inputs, tmp_path / "probe"))[1]
     ]
     assert len(config_cases) >= 10, [c.id for c in config_cases]
     problems = []
     for index, case in enumerate(config_cases):
         save = tmp_path / f"save{index}"
-        code, error = command(["--nproc-per-node", "2", *case.argv(inputs), "--save", str(save)])
+        code, error = command(["--nproc-per-node", "2", *argv_of(case, inputs, save)])
         # On two ranks the fix can differ (a batch size per data-parallel rank): the error
         # must be the configuration error naming the case's input.
         problems += _failures(case, code, error, save, (CONFIG_ERROR, case.message[0]))

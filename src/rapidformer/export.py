@@ -14,7 +14,6 @@ the built-in GPT and BERT their ``--pretrained-checkpoint``, exported as above).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 from rapidformer import safe_load
 from rapidformer.accel.lora.saving import export_adapter, merge_into
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
+from rapidformer.checkpoint.directory import read_progress
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.errors import CheckpointError, ConfigError, exit_code_of
@@ -43,12 +43,17 @@ def export_checkpoint(
 
 
 def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Path:
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise CheckpointError(
+            f"{out_dir} is a file: the export writes a Hugging Face directory there (and "
+            "would have written nothing). Fix: name a new or existing directory"
+        )
     path = find_checkpoint(checkpoint)
     if path is None:
         raise CheckpointError(
             f"{checkpoint}: no checkpoint there (no 'latest' file and no {PROGRESS})"
         )
-    record = json.loads((path / PROGRESS).read_text())
+    record = read_progress(path)
     if "config" not in record:
         raise CheckpointError(
             f"{path / PROGRESS} holds no config: it was not written by a rapidformer Trainer"

@@ -18,6 +18,7 @@ import torch
 
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.checkpoint.integrity import damage
+from rapidformer.cli import main
 from rapidformer.errors import CheckpointError
 from tests.helpers.trainers import ROOT, TINY_FLAGS, tiny_trainer
 
@@ -67,6 +68,37 @@ def test_a_corrupted_latest_checkpoint_gives_way_to_the_previous_one(
     assert damage(tmp_path / "iter_0000006") is None
 
 
+def test_a_checkpoint_without_a_file_its_format_requires_never_verifies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its manifest lists what the format requires, not only what was there: a checkpoint
+    published without model.pt (as two runs in one directory once made) and a manifest
+    rewritten to match still fail verification, and ``latest`` on it falls back, saying so.
+    Then model.pt deleted outright, and a manifest entry of the wrong type."""
+    _run(tmp_path)
+    newest = tmp_path / "iter_0000006"
+    manifest_file = newest / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    assert manifest["required"] == sorted(
+        ["lr_scheduler.pt", "model.pt", "progress.json", "rng/rank_00000.pt"]
+    )
+    (newest / "model.pt").unlink()
+    del manifest["files"]["model.pt"]
+    manifest_file.write_text(json.dumps(manifest))
+    assert damage(newest) == f"it is incomplete: {newest / 'model.pt'}, which its format " + (
+        "requires, was never written"
+    )
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000004"
+    assert "iter_0000006 is damaged (it is incomplete" in caplog.text
+    older = tmp_path / "iter_0000004"
+    (older / "model.pt").unlink()
+    assert damage(older) == f"{older / 'model.pt'} is missing"
+    manifest = json.loads((older / "manifest.json").read_text())
+    manifest["files"]["optimizer.pt"] = "not an entry"
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    assert "manifest.json is unreadable (TypeError" in str(damage(older))
+
+
 def test_an_explicit_damaged_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
     _run(tmp_path / "a")
     model = tmp_path / "a" / "iter_0000004" / "model.pt"
@@ -87,7 +119,7 @@ def test_save_keep_keeps_the_newest_checkpoints_and_debris_is_cleaned(tmp_path: 
     (tmp_path / ".old-iter_0000002").mkdir()
     _run(tmp_path, "--save-keep", "2")
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("iter_", ".")))
-    assert names == ["iter_0000004", "iter_0000006"]
+    assert names == [".lock", "iter_0000004", "iter_0000006"]  # the lock file stays (unheld)
 
 
 KILL_FLAGS = ("--train-iters", "40", "--micro-batch-size", "4", "--save-interval", "1")
@@ -149,3 +181,20 @@ def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
     a = torch.load(reference / "iter_0000040" / "model.pt")
     b = torch.load(save / "iter_0000040" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_weights_are_never_saved_and_the_last_good_checkpoint_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A parameter turned NaN at the start of step 5 (its steps are then skipped): the save of
+    step 6 is refused with exit 2, and ``latest`` still names step 4's checkpoint, whole."""
+    monkeypatch.setenv("FAULT_NAN_PARAMETERS", "5:0")
+    script = ROOT / "tests" / "scripts" / "faulty_trainer.py"
+    flags = [*TINY_FLAGS, "--train-iters", "6", "--save-interval", "2", "--save", str(tmp_path)]
+    assert main(["--user-script", str(script), *flags]) == 2
+    said = capfd.readouterr().err
+    assert "the parameters at step 6 are not finite" in said and "Traceback" not in said
+    assert f"{tmp_path / 'iter_0000004'} stays the last good one" in said
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000004"
+    assert not any(p.name.endswith("iter_0000006") for p in tmp_path.iterdir())
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000004"

@@ -93,3 +93,24 @@ def test_rerunning_a_command_with_load_continues_from_its_own_save(tmp_path: Pat
 def test_load_without_a_checkpoint_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         tiny_trainer(*FLAGS, "--load", str(tmp_path)).fit()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--num-attention-heads", "8"), "--num-attention-heads 4 there, 8 now"),
+        (("--seed", "2"), "--seed 1234 there, 2 now"),
+    ],
+)
+def test_a_checkpoint_of_other_heads_or_another_seed_is_refused_by_name(
+    tmp_path: Path, flags: tuple[str, ...], named: str
+) -> None:
+    """Eight heads of 4 read the tensors of four heads of 8 without an error (the shapes
+    agree), and another seed is another run: both refused before anything is read."""
+    first = tmp_path / "first"
+    tiny_trainer(*FLAGS, "--save", str(first)).fit()
+    before = (first / "iter_0000010" / "model.pt").stat().st_mtime_ns
+    other = tiny_trainer(*FLAGS, *flags, "--save", str(first))
+    with pytest.raises(CheckpointError, match=f"was written by another run \\({named}"):
+        other.fit()
+    assert (first / "iter_0000010" / "model.pt").stat().st_mtime_ns == before

@@ -12,6 +12,7 @@ from rapidformer import RapidformerConfig, parse_args
 from rapidformer.config.aliases import ALIASES
 from rapidformer.config.docs import render_parameters
 from rapidformer.config.fields import FieldSpec, all_fields
+from rapidformer.config.loading import TRUST_FLAGS
 from rapidformer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,17 +125,34 @@ def test_flag_parses_from_the_command_line(spec: FieldSpec) -> None:
 
 
 def test_every_flag_at_once_from_yaml_and_json_round_trips(tmp_path: Path) -> None:
-    flat = {spec.flag.lstrip("-"): _value_for(spec) for spec in all_fields()}
+    """Every flag but the two consents to run code, which a file may not give (below)."""
+    files = [spec for spec in all_fields() if spec.name not in TRUST_FLAGS]
+    flat = {spec.flag.lstrip("-"): _value_for(spec) for spec in files}
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(yaml.safe_dump(flat))
     from_yaml = parse_args(["--config", str(yaml_file)])
-    for spec in all_fields():
+    for spec in files:
         assert _read(from_yaml, spec) == _value_for(spec), spec.flag
     nested = from_yaml.to_dict()
     assert RapidformerConfig.from_dict(nested) == from_yaml
     json_file = tmp_path / "run.json"
     json_file.write_text(json.dumps(nested))
     assert parse_args(["--config", str(json_file)]) == from_yaml
+
+
+@pytest.mark.parametrize("name", TRUST_FLAGS)
+def test_a_config_file_cannot_consent_to_running_code(tmp_path: Path, name: str) -> None:
+    """Config files are shared: trust comes from the command line or the Python call only."""
+    path = tmp_path / "shared.yaml"
+    path.write_text(f"{name}: true\ntrain_iters: 3\n")
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}=True: cannot come from"):
+        parse_args(["--config", str(path)])
+    path.write_text("train_iters: 3\n")
+    given = parse_args(["--config", str(path), f"--{name.replace('_', '-')}"])
+    assert given.to_dict()["checkpoint" if name == "trust_checkpoint" else "model"][name]
+    path.write_bytes(b"\xff\xfe binary")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        parse_args(["--config", str(path)])
 
 
 def test_command_line_overrides_the_file(tmp_path: Path) -> None:

@@ -129,6 +129,30 @@ def test_schedule_rules() -> None:
     assert "must not exceed --lr" in _only(min_lr=1.0)
 
 
+@pytest.mark.parametrize(
+    ("flat", "expected"),
+    [
+        ({"lr": float("inf")}, "--lr=inf: must be a finite number"),
+        ({"lr": float("nan")}, "--lr=nan: must be a finite number"),
+        ({"min_lr": float("nan")}, "--min-lr=nan: must be a finite number"),
+        ({"weight_decay": float("nan")}, "--weight-decay=nan: must be a finite number"),
+        ({"clip_grad": float("inf")}, "--clip-grad=inf: must be a finite number"),
+        ({"lr_warmup_fraction": float("nan")}, "--lr-warmup-fraction=nan: must be a finite"),
+        ({"hidden_dropout": float("nan")}, "--hidden-dropout=nan: must be a finite number"),
+        ({"weight_decay": -5.0}, "--weight-decay=-5.0: must be >= 0"),
+        ({"min_lr": -1e-5}, "--min-lr=-1e-05: must be >= 0"),
+        ({"lr": -1.0}, "--lr=-1.0: must be > 0"),  # not --min-lr's fault
+        ({"lr": 0.0}, "--lr=0.0: must be > 0"),
+    ],
+)
+def test_non_finite_and_negative_hyperparameters_are_refused_by_their_flag(
+    flat: dict[str, float], expected: str
+) -> None:
+    """Each would otherwise train (a NaN rate writes an all-NaN checkpoint with exit 0)."""
+    found = _violations(**flat)
+    assert len(found) == 1 and found[0].startswith(expected), found
+
+
 def test_positive_integers() -> None:
     assert _only(micro_batch_size=0).startswith("--micro-batch-size=0: must be at least 1")
 

@@ -231,6 +231,10 @@ def corrupt(prefix: str, offset: int, new: bytes) -> str:
         (18, struct.pack("<Q", 6), "truncated index"),  # claims one sequence more than stored
         (26, struct.pack("<Q", 4), "truncated index"),
         (34 + 5 * 12 + 16, struct.pack("<q", 4), "corrupt document index"),  # last != count
+        # Caught when opened, before any sequence is read (vectorised over the index):
+        (34 + 4, struct.pack("<i", -1), "sequence 1 has size -1"),
+        (34 + 5 * 12 + 8, struct.pack("<q", 7), r"entry 2 \(5\) comes before entry 1 \(7\)"),
+        (34 + 5 * 4 + 16, struct.pack("<q", 100), "sequence 2 starts at byte 100, not where"),
     ],
 )
 @pytest.mark.parametrize("impl", ["mmap", "lazy"])
@@ -268,13 +272,12 @@ def test_truncated_data(hand_prefix: str, impl: str) -> None:
 
 
 def test_pointer_outside_the_data_file(hand_prefix: str) -> None:
-    # The first sequence's pointer moved past the end: caught when that sequence is read.
+    # The first sequence's pointer moved past the end: the index no longer lays the sequences
+    # end to end, which opening it finds.
     corrupt(hand_prefix, 34 + 5 * 4, struct.pack("<q", 1000))
-    ds = IndexedDataset(hand_prefix, impl="mmap")
-    assert ds[1].tolist() == [4]
-    with pytest.raises(DataError, match="outside the 20-byte data file") as info:
-        ds[0]
-    assert data_file_path(hand_prefix) in str(info.value)
+    with pytest.raises(DataError, match="sequence 1 starts at byte 6, not where") as info:
+        IndexedDataset(hand_prefix, impl="mmap")
+    assert index_file_path(hand_prefix) in str(info.value)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

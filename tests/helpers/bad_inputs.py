@@ -154,6 +154,25 @@ def _idx_wrong_dtype(inputs: Inputs) -> list[str]:
     return [*PRETRAIN, *inputs.with_data_path(prefix)]
 
 
+def _idx_entry(name: str, where: str, value: int) -> Callable[[Inputs], list[str]]:
+    """A copy of the corpus whose index has its first sequence's size (``where="size"``) or its
+    second document boundary (``"document"``) overwritten with ``value``."""
+
+    def argv(inputs: Inputs) -> list[str]:
+        prefix = inputs.copy_of_corpus(name)
+        index = bytearray(prefix.with_suffix(".idx").read_bytes())
+        count, documents = struct.unpack_from("<QQ", index, 18)
+        if where == "size":
+            struct.pack_into("<i", index, 34, value)
+        else:
+            struct.pack_into("<q", index, 34 + 12 * count + 8, value)
+        assert documents >= 3, "the corpus needs two documents for this case"
+        prefix.with_suffix(".idx").write_bytes(bytes(index))
+        return [*PRETRAIN, *inputs.with_data_path(prefix)]
+
+    return argv
+
+
 def _missing(suffix: str) -> Callable[[Inputs], list[str]]:
     def argv(inputs: Inputs) -> list[str]:
         prefix = inputs.copy_of_corpus(f"missing{suffix}")
@@ -252,6 +271,38 @@ def _config_file(name: str, text: str) -> Callable[[Inputs], list[str]]:
     return argv
 
 
+def _damaged_progress(name: str, text: bytes) -> Callable[[Inputs], list[str]]:
+    """A copy of the checkpoint whose progress.json (or, for ``latest``, pointer) holds
+    ``text``, resumed from its directory."""
+
+    def argv(inputs: Inputs) -> list[str]:
+        damaged = inputs.root / f"ckpt_{name}"
+        shutil.copytree(inputs.checkpoint, damaged, dirs_exist_ok=True)
+        target = "latest" if name == "latest" else "iter_0000002/progress.json"
+        (damaged / target).write_bytes(text)
+        return [*WHITE_BOX, "--load", str(damaged)]
+
+    return argv
+
+
+def argv_of(case: Case, inputs: Inputs, save: Path) -> list[str]:
+    """The case's command line with ``--save save``, unless the case names its own."""
+    argv = case.argv(inputs)
+    return argv if "--save" in argv else [*argv, "--save", str(save)]
+
+
+def _binary_config(inputs: Inputs) -> list[str]:
+    path = inputs.root / "binary.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    return [*WHITE_BOX, "--config", str(path)]
+
+
+def _save_is_a_file(inputs: Inputs) -> list[str]:
+    path = inputs.root / "notes.txt"
+    path.write_text("not a checkpoint directory")
+    return [*WHITE_BOX, "--save", str(path)]
+
+
 def _flags(name: str, flags: list[str], message: tuple[str, ...]) -> Case:
     """A case of the white-box command line plus ``flags``."""
     return Case(name, lambda i: [*WHITE_BOX, *flags], message)
@@ -291,6 +342,18 @@ CASES = [
     ),
     _flags("warmup-fraction", ["--lr-warmup-fraction", "2"], ("--lr-warmup-fraction", "[0, 1]")),
     _flags("min-lr-above-lr", ["--min-lr", "1"], ("--min-lr", "lower")),
+    _flags("lr-infinite", ["--lr", "inf"], ("--lr=inf", "finite")),
+    _flags("lr-nan", ["--lr", "nan"], ("--lr=nan", "finite")),
+    _flags("min-lr-nan", ["--min-lr", "nan"], ("--min-lr=nan", "finite")),
+    _flags("lr-negative", ["--lr", "-1"], ("--lr=-1.0", "must be > 0")),
+    _flags("weight-decay-negative", ["--weight-decay", "-5"], ("--weight-decay", "must be >= 0")),
+    Case(
+        "config-file-trusts",
+        _config_file("shared.yaml", "trust_checkpoint: true\n"),
+        ("--trust-checkpoint", "config files are shared", "on the command line"),
+    ),
+    Case("config-file-binary", _binary_config, ("binary.yaml", "not UTF-8", "YAML or JSON")),
+    Case("save-is-a-file", _save_is_a_file, ("notes.txt", "is a file", "its own --save")),
     _flags(
         "heads-do-not-divide",
         ["--hidden-size", "30"],
@@ -343,6 +406,16 @@ CASES = [
     Case("missing-bin", _missing(".bin"), (".bin",)),
     Case("missing-idx", _missing(".idx"), (".idx",)),
     Case("truncated-bin", _bin_truncated, ("truncated", ".bin", "Fix: copy")),
+    Case(
+        "idx-negative-size",
+        _idx_entry("negative", "size", -3),
+        ("negative/corpus_text_document.idx", "sequence 0 has size -3", "preprocess the corpus"),
+    ),
+    Case(
+        "idx-documents-backwards",
+        _idx_entry("backwards", "document", 10**6),
+        ("backwards/corpus_text_document.idx", "must not decrease", "preprocess the corpus"),
+    ),
     Case("wrong-dtype", _idx_wrong_dtype, (".idx", "dtype code 42", "Fix: preprocess")),
     Case("empty-corpus", _empty_corpus, ("empty/corpus_text_document", "no documents")),
     Case(
@@ -567,7 +640,42 @@ CASES = [
     Case(
         "checkpoint-other-shape",
         lambda i: [*WHITE_BOX, "--hidden-size", "64", "--load", str(i.checkpoint)],
-        ("iter_0000002", "size mismatch", "--hidden-size 32 there, 64 now"),
+        ("iter_0000002", "written by another run", "--hidden-size 32 there, 64 now"),
+    ),
+    Case(
+        "checkpoint-progress-not-json",
+        _damaged_progress("bad_json", b'{"step": 2,'),
+        ("progress.json is not JSON", "no older complete checkpoint", "Fix:"),
+    ),
+    Case(
+        "checkpoint-progress-a-list",
+        _damaged_progress("list", b"[2]"),
+        ("progress.json holds a list, not a checkpoint record", "Fix:"),
+    ),
+    Case(
+        "checkpoint-progress-no-step",
+        _damaged_progress("no_step", b'{"epoch": 0}'),
+        ("progress.json has no step count", "None", "Fix:"),
+    ),
+    Case(
+        "checkpoint-progress-step-text",
+        _damaged_progress("step_text", b'{"step": "two"}'),
+        ("progress.json has no step count", "'two'", "Fix:"),
+    ),
+    Case(
+        "checkpoint-latest-not-text",
+        _damaged_progress("latest", b"\xff\xfe\x00iter"),
+        ("latest is not text", "iter_NNNNNNN", "Fix:"),
+    ),
+    Case(
+        "checkpoint-other-heads",  # the same shapes: it would load, and be read wrongly
+        lambda i: [*WHITE_BOX, "--num-attention-heads", "8", "--load", str(i.checkpoint)],
+        ("iter_0000002", "--num-attention-heads 4 there, 8 now", "resume it with those flags"),
+    ),
+    Case(
+        "checkpoint-other-seed",
+        lambda i: [*WHITE_BOX, "--seed", "7", "--load", str(i.checkpoint)],
+        ("iter_0000002", "--seed 1234 there, 7 now", "its own --save"),
     ),
     Case(
         "checkpoint-other-task",

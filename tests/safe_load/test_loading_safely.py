@@ -271,6 +271,34 @@ def test_a_hugging_face_bin_with_a_payload_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and not marker.exists()
 
 
+@pytest.mark.parametrize("shard", ["weights-00001-of-00002.data", "extra.pth"])
+def test_every_shard_an_index_names_and_every_pickled_file_is_scanned(
+    tmp_path: Path, shard: str
+) -> None:
+    """A shard named otherwise than ``pytorch_model*.bin`` in the index (transformers reads it
+    whatever its name), and a ``.pth`` beside the weights: each is scanned before any load,
+    and the payload refused naming its file."""
+    from rapidformer.safe_load.loaders import hugging_face_weights, pickled_weight_files
+
+    marker = tmp_path / "MARKER"
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.save({"w": torch.zeros(2)}, model / "pytorch_model-00001-of-00002.bin")
+    torch.save(Payload(marker), model / shard)
+    index = {"weight_map": {"w": "pytorch_model-00001-of-00002.bin"}}
+    if shard.endswith(".data"):
+        index["weight_map"]["v"] = shard
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert model / shard in pickled_weight_files(model)
+    with pytest.raises(UnsafeCheckpointError, match=re.escape(str(model / shard))):
+        hugging_face_weights(model)
+    assert not marker.exists()
+    index["weight_map"]["v"] = "../outside.bin"  # an index may not reach out of its directory
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsafeCheckpointError, match="outside its directory"):
+        pickled_weight_files(model)
+
+
 def test_safetensors_are_preferred_to_a_bin_beside_them(tmp_path: Path) -> None:
     model = tiny_model("bert", tmp_path / "bert")  # saved as safetensors
     data = task_dataset("sequence_classification", tmp_path / "cls", train=32, validation=16)

@@ -9,6 +9,8 @@ rank starts that step:
 * ``FAULT_SIGNAL_LAUNCHER=STEP:RANK:NAME``: the rank sends its launcher (the process that
   started it: ``rapidformer --nproc-per-node``'s agent) the signal NAME;
 * ``FAULT_NAN=STEPS:RANK``: the rank's loss is NaN in the steps listed (``3`` or ``3-12``);
+* ``FAULT_NAN_PARAMETERS=STEP:RANK``: the rank's first parameter turns NaN (as a corrupted
+  update would leave it);
 * ``FAULT_KILL=STEP:RANK``: the rank dies by SIGKILL (only in torchrun's first attempt);
 * ``FAULT_STALL=STEP:RANK``: the rank stops taking part until it receives a stop signal;
 * ``FAULT_RAISE=STEP:RANK``: the rank's train_step raises RuntimeError.
@@ -101,5 +103,8 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
             while self.engine.stop_signal is None:
                 time.sleep(0.05)
             os._exit(1)
+        if _fault("FAULT_NAN_PARAMETERS", step, rank) is not None:
+            with torch.no_grad():
+                local_part(self.engine.state.parameters[0]).fill_(float("nan"))
         if _fault("FAULT_RAISE", step, rank) is not None:
             raise RuntimeError(f"injected failure at step {step} on rank {rank}")

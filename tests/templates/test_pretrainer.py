@@ -13,7 +13,7 @@ import torch
 
 from rapidformer import parse_args
 from rapidformer.data.blended import BlendedDataset
-from rapidformer.errors import ConfigError
+from rapidformer.errors import CheckpointError, ConfigError
 from rapidformer.export import export_checkpoint
 from rapidformer.templates.pretrainer import Pretrainer, build_pretraining_model
 from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
@@ -82,6 +82,11 @@ def test_gpt_pretraining_learns_and_exports_to_transformers(
     assert losses[100] < 2.5 and metrics["eval_loss"] < 2.5  # measured ~1.6 and ~1.5
 
     transformers = pytest.importorskip("transformers")
+    taken = tmp_path / "notes.txt"  # an existing file is refused, not silently skipped
+    taken.write_text("mine")
+    with pytest.raises(CheckpointError, match=r"notes\.txt is a file"):
+        export_checkpoint(tmp_path / "run", taken)
+    assert taken.read_text() == "mine"
     export_checkpoint(tmp_path / "run", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -41,6 +41,7 @@ from rapidformer.checkpoint.directory import (
     find_checkpoint,
     iteration_dir,
     prune,
+    read_progress,
     remove_debris,
 )
 from rapidformer.checkpoint.formats import (
@@ -53,6 +54,7 @@ from rapidformer.checkpoint.formats import (
 )
 from rapidformer.checkpoint.integrity import write_manifest
 from rapidformer.distributed import process_group
+from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
 from rapidformer.state import CheckpointFormat, TrainState
 
@@ -121,6 +123,7 @@ def save_checkpoint(
     root = Path(save_dir)
     final = root / iteration_dir(step)
     staging = root / f"{STAGING_PREFIX}{iteration_dir(step)}"
+    _refuse_non_finite(root, step, state)
     rank = process_group.rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -129,9 +132,33 @@ def save_checkpoint(
     process_group.barrier()
     _agree(lambda: _write_files(staging, step, state, progress), staging, step, state.device)
     # Rank 0 renames once every rank's files are in; the others wait for its verdict.
-    publish = (lambda: _publish(root, staging, final, keep)) if rank == 0 else (lambda: None)
+    required = _required_files(state)
+    publish = (
+        (lambda: _publish(root, staging, final, keep, required)) if rank == 0 else (lambda: None)
+    )
     _agree(publish, staging, step, state.device)
     return final
+
+
+def _refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
+    """Never a checkpoint of NaN or infinite weights: one reduction over the trained
+    parameters where they are, shared by every rank, one host read per save (not per step)."""
+    trained = [local_part(p) for p in state.parameters if p.requires_grad]
+    finite = [torch.isfinite(p).all() for p in trained if p.numel()]
+    bad = torch.zeros(1, device=state.device)
+    if finite:
+        bad += torch.stack(finite).logical_not().any().to(bad.device)
+    process_group.all_reduce_sum(bad, process_group.world_group())
+    if not bad.item():
+        return
+    pointer = root / LATEST
+    last = root / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    kept = f"{last} stays the last good one" if last else "there is no earlier checkpoint"
+    raise CheckpointError(
+        f"the parameters at step {step} are not finite (NaN or infinity), so no checkpoint "
+        f"was written to {root}; {kept}. Fix: resume from it with a lower --lr or a "
+        "--clip-grad, or look for the step whose update went wrong (--log-interval 1)"
+    )
 
 
 def _write_files(staging: Path, step: int, state: TrainState, progress: dict[str, Any]) -> None:
@@ -212,9 +239,20 @@ def _check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
         )
 
 
-def _publish(root: Path, staging: Path, final: Path, keep: int | None) -> None:
+def _required_files(state: TrainState) -> list[str]:
+    """The files a complete checkpoint of ``state`` holds, whatever else it holds."""
+    ranks = process_group.world_size()
+    files = [PROGRESS, *(f"rng/rank_{rank:05d}.pt" for rank in range(ranks))]
+    if state.lr_scheduler is not None:
+        files.append("lr_scheduler.pt")
+    if state.precision.grad_scaler is not None:
+        files.append("grad_scaler.pt")
+    return files + list(getattr(format_of(state), "required_files", lambda s: [])(state))
+
+
+def _publish(root: Path, staging: Path, final: Path, keep: int | None, required: list[str]) -> None:
     """Rank 0: seal the staged checkpoint with its manifest and move it into place."""
-    write_manifest(staging)
+    write_manifest(staging, required)
     aside = root / f"{ASIDE_PREFIX}{final.name}"
     if final.exists():  # the same step saved again (a resumed run redoing steps)
         os.replace(final, aside)
@@ -292,7 +330,7 @@ def _reader(path: Path, state: TrainState, record: dict[str, Any]) -> Checkpoint
 def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     """Restore ``state`` (and this rank's RNG) from the checkpoint at ``path``; returns the
     progress record saved with it."""
-    progress: dict[str, Any] = json.loads((path / PROGRESS).read_text())
+    progress: dict[str, Any] = read_progress(path)
     reader = _reader(path, state, progress)
     _check_base(path, state, progress)
     try:
@@ -330,7 +368,7 @@ def _load_scheduler(scheduler: Any, saved: dict[str, Any]) -> None:
 def consolidated_model_state(path: Path) -> dict[str, Any]:
     """The whole model state dict of the checkpoint at ``path``, read in this one process
     whichever format and rank count wrote it."""
-    record = json.loads((path / PROGRESS).read_text()) if (path / PROGRESS).is_file() else {}
+    record = read_progress(path) if (path / PROGRESS).is_file() else {}
     return read_model_state(path, saved_format(path, record))
 
 

@@ -9,9 +9,11 @@ while it was being replaced) is removed before the next save.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from rapidformer.checkpoint.integrity import damage
 from rapidformer.errors import CheckpointError
@@ -22,6 +24,42 @@ PROGRESS = "progress.json"
 STAGING_PREFIX = ".tmp-"
 ASIDE_PREFIX = ".old-"
 _ITERATION = re.compile(r"iter_(\d{7,})")
+
+
+def read_progress(directory: Path) -> dict[str, Any]:
+    """The checkpoint's ``progress.json``: a mapping with an integer ``step``, or
+    CheckpointError naming the file and what is wrong with it."""
+    path = directory / PROGRESS
+    fix = "restore it from a copy, or resume from another checkpoint"
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        reason = error.strerror or error
+        raise CheckpointError(f"{path} cannot be read ({reason}). Fix: {fix}") from None
+    except ValueError as error:  # bad JSON, or bytes that are not UTF-8
+        raise CheckpointError(f"{path} is not JSON ({error}). Fix: {fix}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(record).__name__}, not a checkpoint record. Fix: {fix}"
+        )
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(
+            f"{path} has no step count (its 'step' is {step!r}, not a whole number). Fix: {fix}"
+        )
+    return record
+
+
+def read_pointer(pointer: Path) -> str:
+    """The checkpoint name a ``latest`` file holds, or CheckpointError naming it."""
+    try:
+        return pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(
+            f"{pointer} is not text: it should hold the name of a checkpoint (iter_NNNNNNN). "
+            f"Fix: write the newest complete checkpoint's name into it, or delete it to resume "
+            "from the newest complete checkpoint"
+        ) from None
 
 
 def iteration_dir(step: int) -> str:
@@ -46,7 +84,7 @@ def remove_debris(root: Path) -> None:
 def prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` checkpoints (and always the one ``latest`` names)."""
     pointer = root / LATEST
-    current = pointer.read_text().strip() if pointer.is_file() else None
+    current = read_pointer(pointer) if pointer.is_file() else None
     for old in iterations(root)[keep:]:
         if old.name != current:
             shutil.rmtree(old, ignore_errors=True)
@@ -55,6 +93,10 @@ def prune(root: Path, keep: int) -> None:
 def _problem(directory: Path) -> str | None:
     if not (directory / PROGRESS).is_file():
         return f"{directory / PROGRESS} is missing"
+    try:
+        read_progress(directory)
+    except CheckpointError as error:
+        return str(error).split(". Fix:")[0]
     return damage(directory)
 
 
@@ -65,7 +107,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
     no checkpoint yet."""
     path = Path(path)
     if (path / PROGRESS).is_file():
-        problem = damage(path)
+        problem = _problem(path)
         if problem is not None:
             raise CheckpointError(
                 f"the checkpoint {path} is damaged: {problem}. Fix: pass --load with its "
@@ -76,7 +118,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
     pointer = path / LATEST
     if not pointer.is_file():
         return None
-    target = path / pointer.read_text().strip()
+    target = path / read_pointer(pointer)
     problem = _problem(target)
     if problem is None:
         return target

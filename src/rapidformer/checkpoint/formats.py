@@ -104,6 +104,9 @@ class ConsolidatedFormat:
     def record(self, state: TrainState) -> dict[str, Any]:
         return {}
 
+    def required_files(self, state: TrainState) -> list[str]:
+        return ["model.pt"]
+
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
         model_state = load_file(directory / "model.pt")
         if _has_dtensors(state) or not state.forward_backward.holds_whole_model:
@@ -148,6 +151,9 @@ class DistributedFormat:
 
     def record(self, state: TrainState) -> dict[str, Any]:
         return {}
+
+    def required_files(self, state: TrainState) -> list[str]:
+        return [f"{SHARDED}/.metadata"]  # what lets any layout read the shards back
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
         if isinstance(state.optimizer, ZeroRedundancyOptimizer):

@@ -23,14 +23,17 @@ def _digest(file: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record every file under ``directory`` (but the manifest itself)."""
+def write_manifest(directory: Path, required: list[str] | None = None) -> None:
+    """Record every file under ``directory`` (but the manifest itself), and the files the
+    checkpoint's format requires (``required``), so that a checkpoint missing one of them
+    never verifies, whatever files it does hold."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     entries = {
         str(file.relative_to(directory)): {"size": file.stat().st_size, "sha256": _digest(file)}
         for file in files
     }
-    (directory / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+    record = {"files": entries, "required": sorted(required or [])}
+    (directory / MANIFEST).write_text(json.dumps(record, indent=1))
 
 
 def damage(directory: Path) -> str | None:
@@ -40,16 +43,27 @@ def damage(directory: Path) -> str | None:
     if not manifest.is_file():
         return None
     try:
-        entries = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"its manifest {manifest} is unreadable ({exc})"
-    for name, entry in entries.items():
+        record = json.loads(manifest.read_text())
+        entries = {
+            str(name): (int(entry["size"]), str(entry["sha256"]))
+            for name, entry in record["files"].items()
+        }
+        required = [str(name) for name in record.get("required", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its manifest {manifest} is unreadable ({type(exc).__name__}: {exc})"
+    for name in required:
+        if name not in entries:
+            return (
+                f"it is incomplete: {directory / name}, which its format requires, was never "
+                "written"
+            )
+    for name, (expected_size, expected_digest) in entries.items():
         file = directory / name
         if not file.is_file():
             return f"{file} is missing"
         size = file.stat().st_size
-        if size != entry["size"]:
-            return f"{file} is truncated or overwritten: {size} bytes, {entry['size']} expected"
-        if _digest(file) != entry["sha256"]:
+        if size != expected_size:
+            return f"{file} is truncated or overwritten: {size} bytes, {expected_size} expected"
+        if _digest(file) != expected_digest:
             return f"{file} is corrupted: its SHA-256 differs from the manifest's"
     return None

@@ -10,8 +10,6 @@ storage dtype) is what the adapters' checkpoints are checked against.
 
 from __future__ import annotations
 
-import json
-
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from rapidformer.accel.lora.apply import fingerprint
@@ -26,6 +24,7 @@ def load_pretrained(state: TrainState, source: str) -> str:
     SHA-256 of its frozen weights (for a run with adapters) or "". Refused, with the file
     named, when it is no whole model of this shape."""
     from rapidformer.checkpoint import PROGRESS, find_checkpoint, saved_format  # imports this
+    from rapidformer.checkpoint.directory import read_progress
 
     path = find_checkpoint(source)
     if path is None:
@@ -34,7 +33,7 @@ def load_pretrained(state: TrainState, source: str) -> str:
             f"{PROGRESS}). Fix: pass the --save directory of a finished run, or one of its "
             "iter_* directories"
         )
-    record = json.loads((path / PROGRESS).read_text())
+    record = read_progress(path)
     if record.get("frozen_base") is not None:
         raise CheckpointError(
             f"--pretrained-checkpoint {path} holds adapters, not a whole model. Fix: resume it "

@@ -3,7 +3,6 @@ see :mod:`rapidformer.accel.moe.upcycling`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -18,9 +17,10 @@ def load_upcycled(state: TrainState, path: Path) -> None:
     """Read the dense checkpoint at ``path`` (a checkpoint directory) into the MoE model of
     ``state``: experts from the dense FFNs, everything else as saved, routers as initialised.
     Refused (CheckpointError) when the checkpoint is not a dense version of this model."""
-    from rapidformer.checkpoint import PROGRESS, saved_format  # the package imports this
+    from rapidformer.checkpoint import saved_format  # the package imports this
+    from rapidformer.checkpoint.directory import read_progress
 
-    record = json.loads((path / PROGRESS).read_text())
+    record = read_progress(path)
     dense = read_model_state(path, saved_format(path, record))
     if any(".ffn.router." in key or ".ffn.experts." in key for key in dense):
         raise CheckpointError(

@@ -21,7 +21,7 @@ from rapidformer.config.aliases import ALIASES, resolve
 from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
 from rapidformer.config.schema import SECTIONS
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, Violation
 from rapidformer.reporting import report_uncaught
 
 OTHER_TOOLS_NAMES = {
@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TRUST_FLAGS = ("trust_checkpoint", "trust_remote_code")
+"""Consent to running code from what a run loads: only the command line or a Python call
+may give it, never a config file."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> RapidformerConfig:
     """Parse command-line flags (and the ``--config`` file they name) into a config."""
     return parse_args_with_extras(argv)[0]
@@ -133,6 +138,17 @@ def parse_args_with_extras(
     # Aliases resolve per source, so that a flag on the command line overrides the file
     # whichever spelling each used.
     from_file, violations = resolve(flatten(load_file(config_file) if config_file else {}))
+    violations += [
+        Violation(
+            f"--{name.replace('_', '-')}",
+            True,
+            f"cannot come from --config {config_file}: config files are shared and copied, "
+            "and this flag lets the run execute code from what it loads",
+            "drop it from the file and pass it on the command line (or in the Python call)",
+        )
+        for name in TRUST_FLAGS
+        if from_file.get(name)
+    ]
     typed, typed_violations = resolve(namespace)
     if violations or typed_violations:
         raise ConfigError(violations + typed_violations)
@@ -144,7 +160,13 @@ def load_file(path: str | Path) -> dict[str, object]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError.single("--config", str(path), "the file must exist", "check the path")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError.single(
+            "--config", str(path), f"the file is not UTF-8 text ({exc.reason} at byte "
+            f"{exc.start})", "give a YAML or JSON file of flags",
+        ) from None  # fmt: skip
     try:
         if path.suffix in (".yaml", ".yml"):
             import yaml

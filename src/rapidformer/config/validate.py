@@ -13,6 +13,7 @@ number, inside the run's :class:`Degrees`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,9 @@ def check(
     own), or return when there are none."""
     violations = [v for rule in rules for v in rule(config, context)]
     violations.extend(extra)
+    # A NaN or an infinity breaks every range rule of its flag too: say it once.
+    non_finite = {v.flag for v in violations if v.rule == FINITE}
+    violations = [v for v in violations if v.flag not in non_finite or v.rule == FINITE]
     if violations:
         raise ConfigError(violations)
 
@@ -179,13 +183,32 @@ def _duration(config: RapidformerConfig, context: RunContext) -> Iterator[Violat
 
 
 def _learning_rate(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    if context.builds_optimizer and config.training.lr is None:
+    training = config.training
+    if context.builds_optimizer and training.lr is None:
         yield Violation(
             "--lr",
             None,
             "a learning rate is required to build the optimizer",
             "pass --lr, e.g. --lr 1e-4",
         )
+    # A non-finite rate passes a finite first step and turns every weight into NaN at the
+    # next; a negative one climbs the loss. Non-finite values are _finite_numbers' to name.
+    if training.lr is not None and math.isfinite(training.lr) and training.lr <= 0:
+        yield Violation("--lr", training.lr, "must be > 0", "e.g. --lr 1e-4")
+    for flag, value in (("--min-lr", training.min_lr), ("--weight-decay", training.weight_decay)):
+        if math.isfinite(value) and value < 0:
+            yield Violation(flag, value, "must be >= 0", f"e.g. {flag} 0")
+
+
+FINITE = "must be a finite number"
+
+
+def _finite_numbers(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """No flag takes NaN or infinity (argparse's float() accepts both)."""
+    for spec in all_fields():
+        value = getattr(getattr(config, spec.section), spec.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            yield Violation(spec.flag, value, FINITE, "give a finite value")
 
 
 def _schedule(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
@@ -200,7 +223,7 @@ def _schedule(config: RapidformerConfig, context: RunContext) -> Iterator[Violat
             f"cannot be combined with --lr-warmup-iters {training.lr_warmup_iters}",
             "pass only one of them",
         )
-    if training.lr is not None and training.min_lr > training.lr:
+    if training.lr is not None and 0 < training.lr < training.min_lr < math.inf:
         yield Violation(
             "--min-lr", training.min_lr, f"must not exceed --lr {training.lr}", "lower --min-lr"
         )
@@ -341,6 +364,7 @@ def _pretrained_checkpoint(config: RapidformerConfig, context: RunContext) -> It
 
 GENERAL_RULES: tuple[Rule, ...] = (
     _positive_integers,
+    _finite_numbers,
     _choices,
     _world_size,
     _batch_sizes,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 from collections.abc import Iterator
@@ -208,13 +209,42 @@ def deepspeed_loading(files: list[Path]) -> Iterator[None]:
 # ---- Hugging Face ---------------------------------------------------------------------------
 def hugging_face_weights(directory: str | Path) -> dict[str, Any]:
     """``from_pretrained`` keywords that keep a local model directory's weights safe:
-    safetensors where the directory has them (no pickle at all), else its pickled weight files
-    (``pytorch_model*.bin``), scanned first; transformers reads those with
-    ``weights_only=True``. Nothing for a hub name."""
+    safetensors where the directory has them (no pickle at all), else every pickled weight
+    file it holds, scanned first (see :func:`pickled_weight_files`); transformers reads those
+    with ``weights_only=True``. Nothing for a hub name."""
     path = Path(directory).expanduser()
     if not path.is_dir():
         return {}
     if any(path.glob("*.safetensors")):
         return {"use_safetensors": True}
-    scan_files(sorted(path.glob("pytorch_model*.bin")))
+    scan_files(pickled_weight_files(path))
     return {}
+
+
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def pickled_weight_files(path: Path) -> list[Path]:
+    """Every file transformers could unpickle from the model directory ``path``: each shard a
+    ``*.index.json`` names (whatever its name), and every ``.bin``, ``.pt``, ``.pth`` and
+    ``.ckpt`` file beside them."""
+    files = {p for p in path.iterdir() if p.is_file() and p.suffix in PICKLED_SUFFIXES}
+    for index in path.glob("*.index.json"):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            named = {str(shard) for shard in weight_map.values()}
+        except (ValueError, AttributeError) as error:
+            raise UnsafeCheckpointError(
+                f"{index} is not a readable shard index ({error}), so its shards cannot be "
+                "checked before they are loaded. Fix: restore the model directory's index"
+            ) from None
+        for shard in sorted(named):
+            file = (path / shard).resolve()
+            if path.resolve() not in file.parents:
+                raise UnsafeCheckpointError(
+                    f"{index} names the shard {shard}, outside its directory {path}. Fix: "
+                    "use a model directory whose index names only files inside it"
+                )
+            if file.is_file():
+                files.add(file)
+    return sorted(files)

@@ -354,11 +354,9 @@ class Finetuner(Trainer):
             )
         return self._task
 
-    def fit(self) -> dict[str, float]:
-        metrics = super().fit()
+    def _save_final(self) -> None:
         if self.config.checkpoint.save is not None:
             self.save_pretrained(self.config.checkpoint.save)
-        return metrics
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Write the trained model and its tokenizer for ``AutoModelFor<Task>`` to load;

@@ -45,6 +45,7 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
         path = found
     else:
         return Progress()
+    _refuse_other_run(path, config)
     try:
         saved = load_checkpoint(path, state)
     except CheckpointError as exc:
@@ -83,6 +84,41 @@ def _upcycle_from(config: RapidformerConfig, state: TrainState, main: bool) -> P
     if main:
         log.info("upcycled the dense checkpoint %s into the MoE model: a fresh run", path)
     return Progress()
+
+
+SAME_RUN = {
+    "model": ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"),
+    "moe": ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size"),
+    "training": ("seed",),
+}
+"""The flags a resume must share with the run that wrote the checkpoint: those that shape the
+model (a model of other heads loads its tensors without an error, and reads them wrongly) and
+the seed (another seed is another run, as a second run on one --save once showed)."""
+
+
+def _refuse_other_run(path: Path, config: RapidformerConfig) -> None:
+    try:
+        saved = json.loads((path / PROGRESS).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the load says so, naming the file
+    if not isinstance(saved, dict):
+        return  # written before checkpoints recorded their flags
+    now = config.to_dict()
+    changed = [
+        f"--{key.replace('_', '-')} {saved[section][key]!r} there, {now[section][key]!r} now"
+        for section, keys in SAME_RUN.items()
+        for key in keys
+        if isinstance(saved.get(section), dict)
+        and key in saved[section]
+        and now[section][key] is not None  # not given: the model's own config decides
+        and saved[section][key] != now[section][key]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{path} was written by another run ({'; '.join(changed)}): resuming it would "
+            "read its tensors into another model or continue another run. Fix: resume it "
+            "with those flags, or give this run its own --save (and no --load)"
+        )
 
 
 def _differences(path: Path, config: RapidformerConfig) -> str:

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from rapidformer.checkpoint import save_checkpoint
+from rapidformer.checkpoint.lock import lock_save_directory
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.engine.engine import RapidformerEngine, StepResult
@@ -173,11 +174,23 @@ class Trainer(ABC):
         after the step every rank agreed on, with a checkpoint there, by raising
         :class:`~rapidformer.errors.Preempted`. A collective that fails because a peer died
         raises :class:`~rapidformer.errors.PeerLostError` naming the missing rank."""
-        with naming_lost_peers(self.config.parallel.distributed_timeout_minutes):
-            metrics = self._fit()
+        # One run per --save directory, held until the run's last file is written.
+        lock = lock_save_directory(self.config.checkpoint.save, self.device)
+        try:
+            with naming_lost_peers(self.config.parallel.distributed_timeout_minutes):
+                metrics = self._fit()
+                self._save_final()
+        finally:
+            if lock is not None:
+                lock.release()
         if self.engine.is_main_process:  # a script's run and the command's alike
             log.info("final metrics: %s", json.dumps(metrics))
         return metrics
+
+    def _save_final(self) -> None:
+        """What a template writes to --save once training is done (the Finetuner: the
+        Hugging Face directory), while the directory is still this run's."""
+        return None
 
     def _fit(self) -> dict[str, float]:
         cfg, engine = self.config, self.engine

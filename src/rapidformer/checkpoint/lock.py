@@ -1,0 +1,105 @@
+"""One run per save directory: ``--save DIR`` is locked for the whole run.
+
+Two runs given one directory used to destroy each other's work: each one's cleanup deleted the
+other's staging directory, a published checkpoint could hold one file, and a run could resume
+the other's checkpoint. Rank 0 now takes an exclusive OS lock (``flock``) on ``DIR/.lock``
+before anything else reads or writes there, and holds it until the run ends. The file names
+the holder (host, pid, start time, command) so that a refused run can say who has it. The
+kernel drops the lock when its process dies, however it dies, so a lock is never stale: a file
+left by a killed run is taken over at once.
+
+The other ranks learn rank 0's answer through one collective, so every rank of a refused run
+stops with the same message (exit 2) before data, model or checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from rapidformer.distributed import process_group
+from rapidformer.errors import CheckpointError
+
+LOCK_FILE = ".lock"
+
+
+class SaveDirectoryLock:
+    """The held lock on a save directory; :meth:`release` (or the end of the process) frees
+    it."""
+
+    def __init__(self, root: Path, handle: IO[str]) -> None:
+        self.root = root
+        self._handle: IO[str] | None = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None
+
+
+def lock_save_directory(save: str | None, device: torch.device) -> SaveDirectoryLock | None:
+    """Lock ``save`` for this run (on rank 0; every rank agrees), or raise CheckpointError
+    naming the run that holds it, or why the directory cannot be used."""
+    if save is None:
+        return None
+    lock, problem = None, ""
+    if process_group.rank() == 0:
+        try:
+            lock = _take(Path(save))
+        except CheckpointError as error:
+            problem = str(error)
+    refused = torch.tensor([float(bool(problem))], device=device)
+    process_group.all_reduce_sum(refused, process_group.world_group())
+    if refused.item():
+        raise CheckpointError(problem or f"--save {save}: refused on rank 0 (see its message)")
+    return lock
+
+
+def _take(root: Path) -> SaveDirectoryLock:
+    fix = "give this run its own --save"
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"--save {root} is a file, not a directory. Fix: {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+    except OSError as error:
+        raise CheckpointError(
+            f"--save {root} cannot be written ({error.strerror or error}). Fix: {fix}, on a "
+            "disk where this user may write"
+        ) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(handle)
+        handle.close()
+        raise CheckpointError(
+            f"--save {root} is in use by another run ({holder}); two runs in one directory "
+            f"delete each other's checkpoints. Fix: {fix}, or wait for that run to end"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500]
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+    handle.write(json.dumps({**record, "command": command}) + "\n")
+    handle.flush()
+    return SaveDirectoryLock(root, handle)
+
+
+def _holder(handle: IO[str]) -> str:
+    """Who holds the lock, as its file says (it may be half-written: the lock came first)."""
+    handle.seek(0)
+    try:
+        record = json.loads(handle.read())
+        return f"pid {record['pid']} on {record['host']}, started {record['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "its holder has not written its name yet"
