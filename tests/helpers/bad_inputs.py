@@ -154,6 +154,28 @@ def _idx_wrong_dtype(inputs: Inputs) -> list[str]:
     return [*PRETRAIN, *inputs.with_data_path(prefix)]
 
 
+def _finetune_bytes(name: str, files: dict[str, bytes]) -> Callable[[Inputs], list[str]]:
+    def argv(inputs: Inputs) -> list[str]:
+        directory = inputs.finetune_dir(name, {})
+        for file, content in files.items():
+            (directory / file).write_bytes(content)
+        return _finetune(inputs, directory)
+
+    return argv
+
+
+def _blend_weight_nan(inputs: Inputs) -> list[str]:
+    return [*PRETRAIN, *inputs.with_data_path(f"nan {inputs.prefix} 1 {inputs.prefix}")]
+
+
+def _empty_merges(inputs: Inputs) -> list[str]:
+    flags = list(inputs.data)
+    merges = inputs.root / "empty_merges.txt"
+    merges.write_text("")
+    flags[flags.index("--merge-file") + 1] = str(merges)
+    return [*PRETRAIN, *flags]
+
+
 def _idx_entry(name: str, where: str, value: int) -> Callable[[Inputs], list[str]]:
     """A copy of the corpus whose index has its first sequence's size (``where="size"``) or its
     second document boundary (``"document"``) overwritten with ``value``."""
@@ -406,6 +428,8 @@ CASES = [
     Case("missing-bin", _missing(".bin"), (".bin",)),
     Case("missing-idx", _missing(".idx"), (".idx",)),
     Case("truncated-bin", _bin_truncated, ("truncated", ".bin", "Fix: copy")),
+    Case("blend-weight-nan", _blend_weight_nan, ("--data-path", "finite", '"0.3 A 0.7 B"')),
+    Case("merges-empty", _empty_merges, ("empty_merges.txt", "holds no merge", "Fix: pass")),
     Case(
         "idx-negative-size",
         _idx_entry("negative", "size", -3),
@@ -445,6 +469,36 @@ CASES = [
         "malformed-jsonl",
         _finetune_files("malformed", _jsonl([*GOOD_ROWS[:2], '{"text": "x",', *GOOD_ROWS[2:]])),
         ("train.jsonl", "line 3"),
+    ),
+    Case(
+        "text-not-text",
+        _finetune_files("numeric", _jsonl([{"text": 123, "label": "a"}, *GOOD_ROWS])),
+        ("text column holds 123 (int) in row 0", "as a string"),
+    ),
+    Case(
+        "validation-only",
+        lambda i: _finetune(i, i.finetune_dir("validation_only", {"dev.jsonl": _jsonl(GOOD_ROWS)})),
+        ("validation_only", "no training split (found: validation)", "train.jsonl"),
+    ),
+    Case(
+        "csv-ragged",
+        _finetune_bytes("ragged", {"train.csv": b"text,label\na cat,sat\na dog,ran,far\n"}),
+        ("train.csv, line 3", "3 fields, but the header has 2", "quote fields"),
+    ),
+    Case(
+        "jsonl-not-utf8",
+        _finetune_bytes("latin1", {"train.jsonl": b'{"text": "caf\xe9", "label": "a"}\n'}),
+        ("latin1/train.jsonl, line 1", "not UTF-8", "save the file as UTF-8"),
+    ),
+    Case(
+        "labels-null",
+        _finetune_files("nulls", _jsonl([{"text": "a cat", "label": None}, *GOOD_ROWS])),
+        ("1 rows without a label (null)", "label them"),
+    ),
+    Case(
+        "labels-one-class",
+        _finetune_files("one_class", _jsonl([{"text": "a cat", "label": "sat"}] * 8)),
+        ("single label (sat)", "other classes"),
     ),
     Case(
         "missing-label-column",

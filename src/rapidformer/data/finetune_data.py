@@ -116,9 +116,20 @@ def _check_file(path: Path, split: str) -> None:
             f"{path}: the file is empty, so the {split} split holds no rows. Fix: fill it, or "
             "remove it from --data-dir"
         )
+    with open(path, "rb") as stream:  # the loaders' own error names neither file nor line
+        for number, raw in enumerate(stream, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}, line {number}, byte {exc.start + 1}: not UTF-8 text "
+                    f"({exc.reason}). Fix: save the file as UTF-8"
+                ) from None
+    if path.suffix == ".csv":
+        _check_csv(path)
     if path.suffix != ".jsonl":
         return
-    with open(path) as lines:
+    with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -130,6 +141,21 @@ def _check_file(path: Path, split: str) -> None:
                     "Fix: make every line one JSON object, e.g. "
                     '{"text": "...", "label": "..."}'
                 ) from exc
+
+
+def _check_csv(path: Path) -> None:
+    """Every row as many fields as the header (the loader says only that generation failed)."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as stream:
+        rows = csv.reader(stream)
+        header = next(rows, [])
+        for row in rows:
+            if row and len(row) != len(header):
+                raise DataError(
+                    f"{path}, line {rows.line_num}: {len(row)} fields, but the header has "
+                    f"{len(header)} ({', '.join(header)}). Fix: quote fields that hold a comma"
+                )
 
 
 def _split_of(stem: str, default: str | None) -> str | None:

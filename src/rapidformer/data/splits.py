@@ -7,6 +7,8 @@ requested share (boundaries are rounded, then the last one is pinned to the corp
 
 from __future__ import annotations
 
+import math
+
 from rapidformer.errors import ConfigError
 
 
@@ -58,8 +60,9 @@ def parse_data_path(data_path: str) -> list[tuple[float, str]]:
             "--data-path", data_path, "a blend alternates weights and prefixes", '"0.3 A 0.7 B"'
         ) from None
     total = sum(w for w, _ in pairs)
-    if total <= 0 or any(w < 0 for w, _ in pairs):
+    # float() reads "nan" and "inf" too; neither is a share of the data.
+    if not math.isfinite(total) or total <= 0 or any(not w >= 0 for w, _ in pairs):
         raise ConfigError.single(
-            "--data-path", data_path, "weights must be >= 0, sum > 0", '"0.3 A 0.7 B"'
+            "--data-path", data_path, "weights must be finite, >= 0, sum > 0", '"0.3 A 0.7 B"'
         )
     return [(w / total, prefix) for w, prefix in pairs]

@@ -207,6 +207,11 @@ def load_bpe_files(
         if len(parts) != 2:
             raise DataError(f"{merge_file}:{number}: a merge is two tokens, got {line!r}")
         merges.append((parts[0], parts[1]))
+    if not merges:  # every word would split into single bytes: a tokenizer that learned nothing
+        raise DataError(
+            f"{merge_file}: the merges file holds no merge. Fix: pass the merges.txt that was "
+            "made with --vocab-file (GPT-2's has 50,000 merges)"
+        )
     return vocab, merges
 
 

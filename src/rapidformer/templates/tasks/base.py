@@ -83,6 +83,19 @@ def column(rows: HFDataset, candidates: Sequence[str], split: str, what: str) ->
     )
 
 
+def texts_of(rows: HFDataset, name: str, split: str) -> list[str]:
+    """Column ``name`` of ``rows``, every value text (a tokenizer given a number fails with a
+    message about its own argument types)."""
+    values = list(rows[name])
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            raise DataError(
+                f"the {split} split's {name} column holds {value!r} ({type(value).__name__}) in "
+                f"row {row}, not text. Fix: write every {name} as a string (quoted in JSON)"
+            )
+    return values
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A task's fine-tuning defaults where the flags leave them open: the common practice of
@@ -198,11 +211,23 @@ class Task:
     ) -> list[int]:
         """Label ids of ``values``; the training split defines the label set. ``row_of`` maps
         a value's index to its row when rows hold several values (token tags)."""
+        unlabelled = [row_of[i] if row_of else i for i, v in enumerate(values) if v is None]
+        if unlabelled:  # str(None) would make a class "None"
+            raise DataError(
+                f"the {split} split has {len(unlabelled)} rows without a label (null), the "
+                f"first: {', '.join(map(str, unlabelled[:5]))}. Fix: label them, or drop them"
+            )
         if self.labels is None:
             if names is not None:  # a ClassLabel feature: its names, in its order
                 self.labels = list(names)
             else:
                 self.labels = [str(v) for v in sorted(set(values), key=_label_order)]
+            if len(self.labels) < 2:  # the loss is 0 from the first step: nothing to learn
+                raise DataError(
+                    f"the {split} split has a single label ({', '.join(self.labels)!s}): a "
+                    "classifier of one class learns nothing. Fix: add examples of the other "
+                    "classes"
+                )
         ids = {name: i for i, name in enumerate(self.labels)}
         out: list[int] = []
         for row, value in enumerate(values):

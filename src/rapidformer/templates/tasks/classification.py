@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from rapidformer.distributed.process_group import Group, sum_over_ranks
-from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column
+from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column, texts_of
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -29,7 +29,8 @@ class SequenceClassification(Task):
         text = column(rows, self.TEXT, split, "text")
         label = column(rows, ("label", "labels"), split, "label")
         pair = next((c for c in self.PAIR if c in rows.column_names), None)
-        encoded = self._encode(list(rows[text]), list(rows[pair]) if pair else None)
+        texts = texts_of(rows, text, split)
+        encoded = self._encode(texts, texts_of(rows, pair, split) if pair else None)
         labels = self._labels_from(list(rows[label]), split, class_names(rows, label))
         features = [
             {**{k: v[i] for k, v in encoded.items()}, "labels": labels[i]}
