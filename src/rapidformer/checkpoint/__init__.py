@@ -123,7 +123,7 @@ def save_checkpoint(
     root = Path(save_dir)
     final = root / iteration_dir(step)
     staging = root / f"{STAGING_PREFIX}{iteration_dir(step)}"
-    _refuse_non_finite(root, step, state)
+    refuse_non_finite(root, step, state)
     rank = process_group.rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -132,15 +132,17 @@ def save_checkpoint(
     process_group.barrier()
     _agree(lambda: _write_files(staging, step, state, progress), staging, step, state.device)
     # Rank 0 renames once every rank's files are in; the others wait for its verdict.
-    required = _required_files(state)
-    publish = (
-        (lambda: _publish(root, staging, final, keep, required)) if rank == 0 else (lambda: None)
-    )
+    required = required_files_of(state)
+
+    def publish() -> None:
+        if rank == 0:
+            publish_staged(root, staging, final, keep, required)
+
     _agree(publish, staging, step, state.device)
     return final
 
 
-def _refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
+def refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
     """Never a checkpoint of NaN or infinite weights: one reduction over the trained
     parameters where they are, shared by every rank, one host read per save (not per step)."""
     trained = [local_part(p) for p in state.parameters if p.requires_grad]
@@ -149,12 +151,16 @@ def _refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
     if finite:
         bad += torch.stack(finite).logical_not().any().to(bad.device)
     process_group.all_reduce_sum(bad, process_group.world_group())
-    if not bad.item():
-        return
+    if bad.item():
+        raise non_finite_error(root, step)
+
+
+def non_finite_error(root: Path, step: int) -> CheckpointError:
+    """The error of a save refused for non-finite parameters, naming the last good one."""
     pointer = root / LATEST
     last = root / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
     kept = f"{last} stays the last good one" if last else "there is no earlier checkpoint"
-    raise CheckpointError(
+    return CheckpointError(
         f"the parameters at step {step} are not finite (NaN or infinity), so no checkpoint "
         f"was written to {root}; {kept}. Fix: resume from it with a lower --lr or a "
         "--clip-grad, or look for the step whose update went wrong (--log-interval 1)"
@@ -162,28 +168,46 @@ def _refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
 
 
 def _write_files(staging: Path, step: int, state: TrainState, progress: dict[str, Any]) -> None:
+    format_of(state).save(state, staging)  # a collective first: each rank writes what it holds
+    write_objects(staging, state_files(step, state, progress))
+
+
+def state_files(step: int, state: TrainState, progress: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's files beside the format's, by name: this rank's RNG state, and on
+    rank 0 the schedule's and loss scaler's state and the progress record (as its text)."""
     rank = process_group.rank()
+    files: dict[str, Any] = {f"rng/rank_{rank:05d}.pt": rng_state()}
+    if rank != 0:
+        return files
+    if state.lr_scheduler is not None:
+        files["lr_scheduler.pt"] = state.lr_scheduler.state_dict()
+    scaler = state.precision.grad_scaler
+    if scaler is not None:
+        files["grad_scaler.pt"] = scaler.state_dict()
     writer = format_of(state)
-    writer.save(state, staging)  # a collective first: each rank writes what it holds
-    (staging / "rng").mkdir(exist_ok=True)
-    torch.save(rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
-    if rank == 0:
-        if state.lr_scheduler is not None:
-            torch.save(state.lr_scheduler.state_dict(), staging / "lr_scheduler.pt")
-        scaler = state.precision.grad_scaler
-        if scaler is not None:
-            torch.save(scaler.state_dict(), staging / "grad_scaler.pt")
-        record = dict(
-            progress,
-            **writer.record(state),
-            step=step,
-            format=writer.name,
-            parallel=state.mesh.dims.axes,
-            plan=[str(p) for p in state.plan],
-            frozen_base=_base_record(state),
-            world_size=process_group.world_size(),
-        )
-        (staging / PROGRESS).write_text(json.dumps(record, indent=2))
+    record = dict(
+        progress,
+        **writer.record(state),
+        step=step,
+        format=writer.name,
+        parallel=state.mesh.dims.axes,
+        plan=[str(p) for p in state.plan],
+        frozen_base=_base_record(state),
+        world_size=process_group.world_size(),
+    )
+    files[PROGRESS] = json.dumps(record, indent=2)
+    return files
+
+
+def write_objects(directory: Path, files: dict[str, Any]) -> None:
+    """Each of ``files`` under ``directory``: text as it is, anything else with torch.save."""
+    for name, content in files.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            torch.save(content, path)
 
 
 def _base_record(state: TrainState) -> dict[str, Any] | None:
@@ -239,7 +263,7 @@ def _check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
         )
 
 
-def _required_files(state: TrainState) -> list[str]:
+def required_files_of(state: TrainState) -> list[str]:
     """The files a complete checkpoint of ``state`` holds, whatever else it holds."""
     ranks = process_group.world_size()
     files = [PROGRESS, *(f"rng/rank_{rank:05d}.pt" for rank in range(ranks))]
@@ -250,7 +274,9 @@ def _required_files(state: TrainState) -> list[str]:
     return files + list(getattr(format_of(state), "required_files", lambda s: [])(state))
 
 
-def _publish(root: Path, staging: Path, final: Path, keep: int | None, required: list[str]) -> None:
+def publish_staged(
+    root: Path, staging: Path, final: Path, keep: int | None, required: list[str]
+) -> None:
     """Rank 0: seal the staged checkpoint with its manifest and move it into place."""
     write_manifest(staging, required)
     aside = root / f"{ASIDE_PREFIX}{final.name}"

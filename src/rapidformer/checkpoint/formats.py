@@ -88,6 +88,12 @@ class ConsolidatedFormat:
     name = "consolidated"
 
     def save(self, state: TrainState, directory: Path) -> None:
+        for name, content in self.files(state).items():
+            torch.save(content, directory / name)
+
+    def files(self, state: TrainState) -> dict[str, Any]:
+        """What rank 0 writes (nothing on the other ranks; every rank must call it: ZeRO-1's
+        optimizer state is gathered), by file name; the tensors are the live ones."""
         model_state = saved_part(state, state.unwrapped_model.state_dict())  # whole, every rank
         optimizer_state = _full_optimizer_state(state)  # ZeRO-1 gathers: every rank calls
         if optimizer_state is not None and state.optimizer is not None:
@@ -96,10 +102,12 @@ class ConsolidatedFormat:
             optimizer_state["param_names"] = [
                 names[id(p)] for g in state.optimizer.param_groups for p in g["params"]
             ]
-        if process_group.rank() == 0:
-            torch.save(model_state, directory / "model.pt")
-            if optimizer_state is not None:
-                torch.save(optimizer_state, directory / "optimizer.pt")
+        if process_group.rank() != 0:
+            return {}
+        files = {"model.pt": model_state}
+        if optimizer_state is not None:
+            files["optimizer.pt"] = optimizer_state
+        return files
 
     def record(self, state: TrainState) -> dict[str, Any]:
         return {}

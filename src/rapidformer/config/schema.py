@@ -386,6 +386,12 @@ class CheckpointConfig:
     one at the step reached when a stop signal (SIGTERM, SIGINT, SIGUSR1) arrives."""
     save_keep: int | None = None
     """Keep only the newest this many checkpoints under --save (default: keep all)."""
+    async_save: bool = False
+    """Write each interval's checkpoint in a background thread: the step waits only for a copy
+    of the state in host memory; at most one save in flight; 'latest' moves once the files
+    are complete and on disk; a failed write stops the run at its next step. The last save and
+    a stop signal's are synchronous. One process, unsharded (the consolidated format) for now;
+    refused elsewhere."""
     trust_checkpoint: bool = False
     """Load checkpoint files without scanning their pickles (--load, resuming from --save, a
     Hugging Face .bin, a dense checkpoint to upcycle): only for a checkpoint whose source you

@@ -203,6 +203,30 @@ def _learning_rate(config: RapidformerConfig, context: RunContext) -> Iterator[V
 FINITE = "must be a finite number"
 
 
+def _async_save(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
+    """Background writes publish without asking other ranks (checkpoint/background.py): one
+    process, in the consolidated format."""
+    checkpoint, memory = config.checkpoint, config.memory
+    if not checkpoint.async_save:
+        return
+    problem = ""
+    if checkpoint.save is None:
+        problem = "there is nothing to save without --save"
+    elif context.dims.world_size > 1:
+        problem = (
+            f"background writes are built for one process (this run: {context.dims.world_size} "
+            "ranks, which would have to agree on every rank's files before publishing)"
+        )
+    elif memory.sharding != "none" or memory.zero_backend != "native":
+        problem = (
+            "background writes are built for the consolidated format (this run shards its "
+            "state, or runs DeepSpeed's engine, which write their own formats)"
+        )
+    if problem:
+        fix = "drop --async-save (saves are then synchronous)"
+        yield Violation("--async-save", True, problem, fix)
+
+
 def _finite_numbers(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
     """No flag takes NaN or infinity (argparse's float() accepts both)."""
     for spec in all_fields():
@@ -365,6 +389,7 @@ def _pretrained_checkpoint(config: RapidformerConfig, context: RunContext) -> It
 GENERAL_RULES: tuple[Rule, ...] = (
     _positive_integers,
     _finite_numbers,
+    _async_save,
     _choices,
     _world_size,
     _batch_sizes,

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from rapidformer.checkpoint import save_checkpoint
+from rapidformer.checkpoint.background import BackgroundSaver
 from rapidformer.checkpoint.lock import lock_save_directory
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
@@ -81,6 +82,8 @@ class Trainer(ABC):
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
         self._compiled_loss: Callable[..., torch.Tensor] | None = None
         self._first_output_checked = False
+        self._saver: BackgroundSaver | None = None
+        """--async-save's writer, while fit() runs."""
 
     @classmethod
     def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
@@ -232,8 +235,13 @@ class Trainer(ABC):
                 "checkpoint; pass --save DIR to survive preemption"
             )
         signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
-        with signals, contextlib.closing(logger):
-            metrics = self._loop(state, progress, logger, total_steps)
+        self._saver = BackgroundSaver() if cfg.checkpoint.async_save else None
+        try:
+            with signals, contextlib.closing(logger):
+                metrics = self._loop(state, progress, logger, total_steps)
+        finally:
+            if self._saver is not None:  # a write in flight finishes before the run ends
+                self._saver.finish()
         state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
         for monitor in state.monitors:
             monitor.close()
@@ -252,6 +260,8 @@ class Trainer(ABC):
         path, spikes = None, SpikeDetector()
         result: StepResult | None = None
         for group in groups:
+            if self._saver is not None:  # a background write that failed stops the run here
+                self._saver.raise_if_failed()
             batches = [move_to_device(batch, self.device) for batch in group]
             result = engine.run_step(batches, step)
             progress.step += 1
@@ -275,9 +285,13 @@ class Trainer(ABC):
                 # writes a checkpoint (it would hold nothing new).
                 engine.judge_skipped_steps()
                 record = {**asdict(progress), "config": cfg.to_dict()}
-                path = save_checkpoint(
-                    cfg.checkpoint.save, progress.step, state, record, keep=cfg.checkpoint.save_keep
-                )
+                root, keep = cfg.checkpoint.save, cfg.checkpoint.save_keep
+                if self._saver is not None and not (last_step or stopping):
+                    path = self._saver.save(root, progress.step, state, record, keep=keep)
+                else:  # the run's last checkpoint is on disk when it ends
+                    if self._saver is not None:
+                        self._saver.wait()
+                    path = save_checkpoint(root, progress.step, state, record, keep=keep)
             if stopping:
                 raise Preempted(
                     f"stopped at step {progress.step} of {total_steps} by a stop signal "
