@@ -45,28 +45,17 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from rapidformer.data.index_format import (
+    DTYPE_CODES,
+    HEADER_SIZE,
+    LEGACY_MAGIC,
+    MAGIC,
+    VERSION,
+    check_entries,
+    legacy_error,
+    read_header,
+)
 from rapidformer.errors import ConfigError, DataError
-
-MAGIC = b"MMIDIDX\x00\x00"
-LEGACY_MAGIC = b"TNTIDX\x00\x00"
-VERSION = 1
-HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes before the sizes array
-
-DTYPE_CODES: dict[int, np.dtype[Any]] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
-    8: np.dtype(np.uint16),
-}
-"""The dtype codes of ``megatron.core.datasets.indexed_dataset.DType``. Megatron-LM's older
-``megatron/data/indexed_dataset.py`` (taken from fairseq) mapped 6 to ``np.float`` and 7 to
-``np.double``, i.e. both to float64, and its writer gave float64 data code 7; megatron.core reads
-7 as float32. Token data is integer, so only a float64 file written by that old code is read
-differently."""
 
 IMPLS = ("mmap", "cached", "lazy", "infer")
 
@@ -233,61 +222,6 @@ def write_index(
         f.write(docs_arr.astype("<i8").tobytes(order="C"))
 
 
-def _legacy_error(idx_path: str) -> DataError:
-    return DataError(
-        f"{idx_path}: this is the legacy Megatron 'TNTIDX' index format (the old non-mmap "
-        "IndexedDataset), which rapidformer does not read. Convert it by re-running the "
-        "preprocessing on the original jsonl: rapidformer-preprocess (or Megatron-LM's "
-        "tools/preprocess_data.py) writes the MMIDIDX format"
-    )
-
-
-def _read_header(idx_path: str) -> tuple[np.dtype[Any], int, int]:
-    """(dtype, sequence count, document count) of an index, checked against its file size."""
-    with open(idx_path, "rb") as f:
-        header = f.read(HEADER_SIZE)
-    if header[: len(LEGACY_MAGIC)] == LEGACY_MAGIC:
-        raise _legacy_error(idx_path)
-    if len(header) < len(MAGIC) and MAGIC.startswith(header):
-        raise DataError(f"{idx_path}: truncated index: {len(header)} bytes, no complete header")
-    if header[: len(MAGIC)] != MAGIC:
-        raise DataError(
-            f"{idx_path}: not an indexed-dataset index: wrong magic "
-            f"{header[: len(MAGIC)]!r} (expected {MAGIC!r})"
-        )
-    if len(header) < HEADER_SIZE:
-        raise DataError(
-            f"{idx_path}: truncated index: {len(header)} bytes, shorter than the "
-            f"{HEADER_SIZE}-byte header"
-        )
-    (version,) = struct.unpack_from("<Q", header, 9)
-    if version != VERSION:
-        raise DataError(f"{idx_path}: unsupported index version {version} (supported: 1)")
-    code = header[17]
-    if code not in DTYPE_CODES:
-        raise DataError(
-            f"{idx_path}: unknown dtype code {code} (known: "
-            + ", ".join(f"{c}={d}" for c, d in DTYPE_CODES.items())
-            + "): the index is corrupt or was not written by a Megatron-compatible "
-            "preprocessor. Fix: preprocess the corpus again (python -m rapidformer.data.preprocess)"
-        )
-    count, docs = struct.unpack_from("<QQ", header, 18)
-    expected = HEADER_SIZE + 12 * count + 8 * docs
-    actual = os.path.getsize(idx_path)
-    # Megatron's multimodal datasets add one int8 mode per sequence after the document index.
-    if actual < expected:
-        raise DataError(
-            f"{idx_path}: truncated index: {actual} bytes, but its header promises {count} "
-            f"sequences and {docs} document-index entries ({expected} bytes)"
-        )
-    if actual not in (expected, expected + count):
-        raise DataError(
-            f"{idx_path}: corrupt index: {actual} bytes, but its header promises {count} "
-            f"sequences and {docs} document-index entries ({expected} bytes)"
-        )
-    return DTYPE_CODES[code], count, docs
-
-
 def infer_impl(prefix: str) -> str:
     """The ``impl`` that reads ``prefix``: ``"mmap"`` for an MMIDIDX index."""
     idx_path = index_file_path(prefix)
@@ -295,7 +229,7 @@ def infer_impl(prefix: str) -> str:
     with open(idx_path, "rb") as f:
         magic = f.read(len(MAGIC))
     if magic.startswith(LEGACY_MAGIC):
-        raise _legacy_error(idx_path)
+        raise legacy_error(idx_path)
     if magic != MAGIC:
         raise DataError(
             f"{idx_path}: cannot infer the dataset format: wrong magic {magic!r} "
@@ -346,7 +280,7 @@ class IndexedDataset:
         resolved = infer_impl(prefix) if impl == "infer" else impl
         self._impl = resolved
         self.idx_path, self.bin_path = index_file_path(prefix), data_file_path(prefix)
-        self.dtype, count, docs = _read_header(self.idx_path)
+        self.dtype, count, docs = read_header(self.idx_path)
 
         offsets = (HEADER_SIZE, HEADER_SIZE + 4 * count, HEADER_SIZE + 12 * count)
         if resolved == "mmap" and count > 0:
@@ -368,7 +302,7 @@ class IndexedDataset:
                 f"{self.idx_path}: corrupt document index: it must start at 0 and end at the "
                 f"sequence count {count}, but has {docs} entries (first {first}, last {last})"
             )
-        self._check_entries(count)
+        check_entries(self.idx_path, self.sizes, self.pointers, self.doc_idx, self.dtype.itemsize)
         bin_size = os.path.getsize(self.bin_path)
         needed = 0
         if count > 0:
@@ -390,43 +324,6 @@ class IndexedDataset:
                 self._buffer = f.read()
         elif resolved != "lazy":  # pragma: no cover - _check_exists and infer_impl cover it
             raise AssertionError(resolved)
-
-    def _check_entries(self, count: int) -> None:
-        """Sizes that are not negative, document boundaries that never go back, and each
-        sequence starting where the one before it ends: a few vectorised passes over the index
-        (milliseconds per million sequences), so that a corrupt entry is named when the file is
-        opened instead of failing (or training on garbage) mid-run."""
-        fix = "Fix: preprocess the corpus again (python -m rapidformer.data.preprocess)"
-        negative = np.flatnonzero(self.sizes < 0)
-        if negative.size:
-            i = int(negative[0])
-            raise DataError(
-                f"{self.idx_path}: corrupt index: sequence {i} has size {int(self.sizes[i])} "
-                f"({negative.size} negative sizes in all). {fix}"
-            )
-        backwards = np.flatnonzero(np.diff(self.doc_idx) < 0)
-        if backwards.size:
-            i = int(backwards[0])
-            raise DataError(
-                f"{self.idx_path}: corrupt document index: entry {i + 1} "
-                f"({int(self.doc_idx[i + 1])}) comes before entry {i} ({int(self.doc_idx[i])}); "
-                f"document boundaries must not decrease. {fix}"
-            )
-        if count > 1:
-            ends = self.pointers[:-1] + self.sizes[:-1].astype(np.int64) * self.dtype.itemsize
-            gaps = np.flatnonzero(self.pointers[1:] != ends)
-            if gaps.size:
-                i = int(gaps[0]) + 1
-                raise DataError(
-                    f"{self.idx_path}: corrupt index: sequence {i} starts at byte "
-                    f"{int(self.pointers[i])}, not where sequence {i - 1} ends "
-                    f"({int(ends[i - 1])}). {fix}"
-                )
-        if count and int(self.pointers[0]) != 0:
-            raise DataError(
-                f"{self.idx_path}: corrupt index: the first sequence starts at byte "
-                f"{int(self.pointers[0])}, not 0. {fix}"
-            )
 
     @property
     def impl(self) -> str:

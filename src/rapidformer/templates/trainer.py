@@ -28,8 +28,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from rapidformer.checkpoint import save_checkpoint
-from rapidformer.checkpoint.background import BackgroundSaver
 from rapidformer.checkpoint.lock import lock_save_directory
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
@@ -54,6 +52,8 @@ from rapidformer.templates.batches import (
 from rapidformer.templates.evaluation import evaluation_pass
 from rapidformer.templates.progress import Progress, step_batches
 from rapidformer.templates.resuming import resume
+from rapidformer.templates.run_saves import RunSaves, due
+from rapidformer.templates.step_checks import check_first_output
 
 __all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
 
@@ -82,8 +82,6 @@ class Trainer(ABC):
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
         self._compiled_loss: Callable[..., torch.Tensor] | None = None
         self._first_output_checked = False
-        self._saver: BackgroundSaver | None = None
-        """--async-save's writer, while fit() runs."""
 
     @classmethod
     def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
@@ -235,20 +233,24 @@ class Trainer(ABC):
                 "checkpoint; pass --save DIR to survive preemption"
             )
         signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
-        self._saver = BackgroundSaver() if cfg.checkpoint.async_save else None
+        saves = RunSaves(cfg)
         try:
             with signals, contextlib.closing(logger):
-                metrics = self._loop(state, progress, logger, total_steps)
+                metrics = self._loop(state, progress, logger, total_steps, saves)
         finally:
-            if self._saver is not None:  # a write in flight finishes before the run ends
-                self._saver.finish()
+            saves.finish()  # a write in flight completes before the run ends
         state.forward_backward.close()  # e.g. ONNX Runtime's graphs and their files
         for monitor in state.monitors:
             monitor.close()
         return metrics
 
     def _loop(
-        self, state: TrainState, progress: Progress, logger: MetricsLogger, total_steps: int
+        self,
+        state: TrainState,
+        progress: Progress,
+        logger: MetricsLogger,
+        total_steps: int,
+        saves: RunSaves,
     ) -> dict[str, float]:
         cfg, engine = self.config, self.engine
         valid_loader = state.eval_dataloader
@@ -260,8 +262,7 @@ class Trainer(ABC):
         path, spikes = None, SpikeDetector()
         result: StepResult | None = None
         for group in groups:
-            if self._saver is not None:  # a background write that failed stops the run here
-                self._saver.raise_if_failed()
+            saves.check()  # a background write that failed stops the run here
             batches = [move_to_device(batch, self.device) for batch in group]
             result = engine.run_step(batches, step)
             progress.step += 1
@@ -274,24 +275,16 @@ class Trainer(ABC):
             last_step = progress.step == total_steps
             stopping = result.stop_requested and not last_step
             if valid_loader is not None and (
-                last_step or _due(progress.step, cfg.training.eval_interval)
+                last_step or due(progress.step, cfg.training.eval_interval)
             ):
                 evaluation = self.evaluate(state)
                 logger.write("eval", {"step": progress.step, **evaluation})
-            if cfg.checkpoint.save and (
-                last_step or stopping or _due(progress.step, cfg.checkpoint.save_interval)
-            ):
+            if saves.due(progress.step, final=last_step or stopping):
                 # A run that has skipped --max-skipped-steps in a row stops here, before it
                 # writes a checkpoint (it would hold nothing new).
                 engine.judge_skipped_steps()
                 record = {**asdict(progress), "config": cfg.to_dict()}
-                root, keep = cfg.checkpoint.save, cfg.checkpoint.save_keep
-                if self._saver is not None and not (last_step or stopping):
-                    path = self._saver.save(root, progress.step, state, record, keep=keep)
-                else:  # the run's last checkpoint is on disk when it ends
-                    if self._saver is not None:
-                        self._saver.wait()
-                    path = save_checkpoint(root, progress.step, state, record, keep=keep)
+                path = saves.save(progress.step, state, record, final=last_step or stopping)
             if stopping:
                 raise Preempted(
                     f"stopped at step {progress.step} of {total_steps} by a stop signal "
@@ -333,30 +326,10 @@ class Trainer(ABC):
     def _train_loss(self, batch: Any) -> torch.Tensor:
         output = self.train_step(batch)
         if not self._first_output_checked and torch.is_grad_enabled():
-            self._check_train_output(output)
+            own_weight = type(self).batch_weight is not Trainer.batch_weight
+            check_first_output(type(self).__name__, output, own_weight)
             self._first_output_checked = True
         return loss_of(output, "train_step")
-
-    def _check_train_output(self, output: StepOutput) -> None:
-        """train_step's first output, checked once: what it returns cannot change kind."""
-        if (
-            isinstance(output, Mapping)
-            and "num_tokens" in output
-            and type(self).batch_weight is Trainer.batch_weight
-        ):
-            raise HookError(
-                f"{type(self).__name__}.train_step returned num_tokens to weight micro-batches "
-                "by tokens; the weights are now counted before the forward (so accumulation is "
-                "exact without rescaling gradients afterwards): override batch_weight(batch) "
-                "to return the token count, e.g. (batch['labels'] != -100).sum(), and drop "
-                "num_tokens from train_step's output"
-            )
-        if not loss_of(output, "train_step").requires_grad:
-            raise HookError(
-                f"{type(self).__name__}.train_step returned a loss without gradient "
-                "(requires_grad is False): compute it from self.model's outputs, without "
-                ".detach(), .item() or torch.no_grad()"
-            )
 
     def _log_step(
         self, logger: MetricsLogger, step: int, result: StepResult, batches: list[Any]
@@ -418,7 +391,3 @@ def _check_step_hooks(cls: type[Trainer]) -> None:
             f"{cls.__name__} has no step: implement train_step(batch) -> loss, or "
             "model_inputs(batch) and compute_loss(outputs, batch)"
         )
-
-
-def _due(step: int, interval: int | None) -> bool:
-    return interval is not None and step % interval == 0

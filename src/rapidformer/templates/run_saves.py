@@ -1,0 +1,48 @@
+"""When a run saves and how: every --save-interval steps, at its last step and at a stop
+signal's; synchronously, or through --async-save's background writer (the last save and the
+stop signal's stay synchronous, so a run ends with its checkpoint on disk)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rapidformer.checkpoint import save_checkpoint
+from rapidformer.checkpoint.background import BackgroundSaver
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.state import TrainState
+
+
+def due(step: int, interval: int | None) -> bool:
+    return interval is not None and step % interval == 0
+
+
+class RunSaves:
+    """The saves of one ``fit()``."""
+
+    def __init__(self, config: RapidformerConfig) -> None:
+        self.checkpoint = config.checkpoint
+        self.background = BackgroundSaver() if self.checkpoint.async_save else None
+
+    def due(self, step: int, final: bool) -> bool:
+        """Whether ``step`` saves (``final``: the last step, or a stop signal's)."""
+        return bool(self.checkpoint.save) and (final or due(step, self.checkpoint.save_interval))
+
+    def check(self) -> None:
+        """Stop the run if a background write failed (before the next step)."""
+        if self.background is not None:
+            self.background.raise_if_failed()
+
+    def save(self, step: int, state: TrainState, record: dict[str, Any], final: bool) -> Path:
+        root, keep = self.checkpoint.save, self.checkpoint.save_keep
+        assert root is not None
+        if self.background is not None and not final:
+            return self.background.save(root, step, state, record, keep=keep)
+        if self.background is not None:  # the last checkpoint is on disk when the run ends
+            self.background.wait()
+        return save_checkpoint(root, step, state, record, keep=keep)
+
+    def finish(self) -> None:
+        """However the run ends, the write in flight completes first."""
+        if self.background is not None:
+            self.background.finish()
