@@ -76,9 +76,9 @@ def test_background_checkpoints_equal_synchronous_ones(
 def test_a_failed_background_write_stops_the_run_and_keeps_latest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The write of step 4 fails (a full disk): the run stops at the first step that finds it
-    (5, or the final save of step 6, which waits for it) with the cause; the staging directory
-    is gone, and ``latest`` still names step 2."""
+    """The write of step 4 fails (a full disk): the run stops with the cause at the first step
+    that finds it (5; or the final save of step 6, which is then still written, synchronously,
+    before the failure is raised); step 4's staging directory is gone and never published."""
     real_save = torch.save
 
     def failing_save(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
@@ -89,8 +89,11 @@ def test_a_failed_background_write_stops_the_run_and_keeps_latest(
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(CheckpointError, match=r"step 4 failed \(OSError: .*No space left"):
         _fit(tmp_path, "--async-save")
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
-    assert sorted(p.name for p in tmp_path.iterdir() if "iter_" in p.name) == ["iter_0000002"]
+    latest = (tmp_path / "latest").read_text().strip()
+    written = sorted(p.name for p in tmp_path.iterdir() if "iter_" in p.name)
+    assert latest in ("iter_0000002", "iter_0000006") and written[-1] == latest
+    assert "iter_0000004" not in written and not any(n.startswith(".") for n in written)
+    assert damage(tmp_path / latest) is None
 
 
 @pytest.mark.parametrize(
@@ -115,12 +118,13 @@ def test_non_finite_parameters_are_never_written_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """A parameter turned NaN at step 3: the background write of step 4 checks the copy and
-    writes nothing; the run stops with exit 2, ``latest`` on step 2."""
+    writes nothing; the run stops with exit 2 (at step 5, or at step 6's synchronous save,
+    which refuses too), ``latest`` on step 2."""
     monkeypatch.setenv("FAULT_NAN_PARAMETERS", "3:0")
     script = ROOT / "tests" / "scripts" / "faulty_trainer.py"
     flags = [*TINY_FLAGS, *FLAGS, "--async-save", "--save", str(tmp_path)]
     assert main(["--user-script", str(script), *flags]) == 2
     said = capfd.readouterr().err
-    assert "the parameters at step 4 are not finite" in said and "Traceback" not in said
+    assert "are not finite" in said and "Traceback" not in said
     assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
     assert sorted(p.name for p in tmp_path.iterdir() if "iter_" in p.name) == ["iter_0000002"]

@@ -147,6 +147,12 @@ def test_a_config_file_cannot_consent_to_running_code(tmp_path: Path, name: str)
     path.write_text(f"{name}: true\ntrain_iters: 3\n")
     with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}=True: cannot come from"):
         parse_args(["--config", str(path)])
+    spelled = name.replace("_", "-")
+    path.write_text(f"{spelled}: 'true'\ntrain_iters: 3\n")  # the flag's spelling, a string
+    with pytest.raises(ConfigError, match=f"--{spelled}=True: cannot come from"):
+        parse_args(["--config", str(path)])
+    path.write_text(f"{name}: false\ntrain_iters: 3\n")  # saying no is harmless
+    assert parse_args(["--config", str(path)]).to_dict()
     path.write_text("train_iters: 3\n")
     given = parse_args(["--config", str(path), f"--{name.replace('_', '-')}"])
     assert given.to_dict()["checkpoint" if name == "trust_checkpoint" else "model"][name]

@@ -234,7 +234,7 @@ def corrupt(prefix: str, offset: int, new: bytes) -> str:
         # Caught when opened, before any sequence is read (vectorised over the index):
         (34 + 4, struct.pack("<i", -1), "sequence 1 has size -1"),
         (34 + 5 * 12 + 8, struct.pack("<q", 7), r"entry 2 \(5\) comes before entry 1 \(7\)"),
-        (34 + 5 * 4 + 16, struct.pack("<q", 100), "sequence 2 starts at byte 100, not where"),
+        (34 + 5 * 4 + 16, struct.pack("<q", 100), "sequence 2 spans bytes 100 to 104, outside"),
     ],
 )
 @pytest.mark.parametrize("impl", ["mmap", "lazy"])
@@ -272,12 +272,13 @@ def test_truncated_data(hand_prefix: str, impl: str) -> None:
 
 
 def test_pointer_outside_the_data_file(hand_prefix: str) -> None:
-    # The first sequence's pointer moved past the end: the index no longer lays the sequences
-    # end to end, which opening it finds.
+    # The first sequence's pointer moved past the end: found when the index is opened.
     corrupt(hand_prefix, 34 + 5 * 4, struct.pack("<q", 1000))
-    with pytest.raises(DataError, match="sequence 1 starts at byte 6, not where") as info:
+    outside = "sequence 0 spans bytes 1000 to 1006, outside the 20-byte"
+    with pytest.raises(DataError, match=outside) as info:
         IndexedDataset(hand_prefix, impl="mmap")
     assert index_file_path(hand_prefix) in str(info.value)
+    assert data_file_path(hand_prefix) in str(info.value)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -9,7 +9,8 @@ kernel drops the lock when its process dies, however it dies, so a lock is never
 left by a killed run is taken over at once.
 
 The other ranks learn rank 0's answer through one collective, so every rank of a refused run
-stops with the same message (exit 2) before data, model or checkpoint is touched.
+stops with the same message (exit 2) before data, model or checkpoint is touched. A filesystem
+that cannot lock (some Lustre or FUSE mounts) gets a warning and runs unlocked, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
+from rapidformer.logging import log
 
 LOCK_FILE = ".lock"
 
@@ -35,7 +37,7 @@ class SaveDirectoryLock:
     """The held lock on a save directory; :meth:`release` (or the end of the process) frees
     it."""
 
-    def __init__(self, root: Path, handle: IO[str]) -> None:
+    def __init__(self, root: Path, handle: IO[str] | None) -> None:
         self.root = root
         self._handle: IO[str] | None = handle
 
@@ -51,16 +53,19 @@ def lock_save_directory(save: str | None, device: torch.device) -> SaveDirectory
     naming the run that holds it, or why the directory cannot be used."""
     if save is None:
         return None
-    lock, problem = None, ""
+    lock, failure = None, None
     if process_group.rank() == 0:
         try:
             lock = _take(Path(save))
-        except CheckpointError as error:
-            problem = str(error)
-    refused = torch.tensor([float(bool(problem))], device=device)
+        except BaseException as error:  # noqa: BLE001 (shared with every rank, then raised)
+            failure = error
+    # Every rank joins, whatever rank 0 met: the others must not wait at a later collective.
+    refused = torch.tensor([float(failure is not None)], device=device)
     process_group.all_reduce_sum(refused, process_group.world_group())
+    if failure is not None:
+        raise failure
     if refused.item():
-        raise CheckpointError(problem or f"--save {save}: refused on rank 0 (see its message)")
+        raise CheckpointError(f"--save {save}: refused on rank 0 (see its message)")
     return lock
 
 
@@ -85,13 +90,30 @@ def _take(root: Path) -> SaveDirectoryLock:
             f"--save {root} is in use by another run ({holder}); two runs in one directory "
             f"delete each other's checkpoints. Fix: {fix}, or wait for that run to end"
         ) from None
-    handle.seek(0)
-    handle.truncate()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500]
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
-    handle.write(json.dumps({**record, "command": command}) + "\n")
-    handle.flush()
+    except OSError as error:  # a filesystem without flock (some Lustre or FUSE mounts)
+        handle.close()
+        log.warning(
+            "--save %s cannot be locked (%s): nothing keeps a second run out of it; give each "
+            "run its own --save",
+            root,
+            error.strerror or error,
+        )
+        return SaveDirectoryLock(root, None)
+    try:
+        handle.seek(0)
+        handle.truncate()
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:500]
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+        handle.write(json.dumps({**record, "command": command}) + "\n")
+        handle.flush()
+    except OSError as error:  # a full disk: the lock is not kept half-taken
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+        raise CheckpointError(
+            f"--save {root} cannot be written ({error.strerror or error}). Fix: free space "
+            f"there, or {fix}"
+        ) from None
     return SaveDirectoryLock(root, handle)
 
 

@@ -147,12 +147,21 @@ def parse_args_with_extras(
             "drop it from the file and pass it on the command line (or in the Python call)",
         )
         for name in TRUST_FLAGS
-        if from_file.get(name)
+        if _given(from_file, name)
     ]
     typed, typed_violations = resolve(namespace)
     if violations or typed_violations:
         raise ConfigError(violations + typed_violations)
     return config_from_dict({**from_file, **typed}), extras
+
+
+def _given(values: dict[str, object], name: str) -> bool:
+    """Whether ``values`` (a file's flat keys, spelled either way) set the switch ``name``:
+    any spelling, any value but an explicit false (a file may say ``false`` harmlessly)."""
+    for key, value in values.items():
+        if key.lstrip("-").replace("-", "_") == name:
+            return str(value).strip().lower() not in ("false", "0", "no", "off", "none", "")
+    return False
 
 
 def load_file(path: str | Path) -> dict[str, object]:

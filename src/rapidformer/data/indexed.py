@@ -302,7 +302,6 @@ class IndexedDataset:
                 f"{self.idx_path}: corrupt document index: it must start at 0 and end at the "
                 f"sequence count {count}, but has {docs} entries (first {first}, last {last})"
             )
-        check_entries(self.idx_path, self.sizes, self.pointers, self.doc_idx, self.dtype.itemsize)
         bin_size = os.path.getsize(self.bin_path)
         needed = 0
         if count > 0:
@@ -313,6 +312,10 @@ class IndexedDataset:
                 f"{self.idx_path} places its last sequence to end at byte {needed}. Fix: copy "
                 "the .bin again (an interrupted copy?) or preprocess the corpus again"
             )
+        check_entries(
+            self.idx_path, self.sizes, self.pointers, self.doc_idx, self.dtype.itemsize,
+            self.bin_path, bin_size,
+        )  # fmt: skip
         self._bin_size = bin_size
 
         self._buffer: Any = None

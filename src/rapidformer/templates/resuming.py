@@ -110,7 +110,9 @@ def _refuse_other_run(path: Path, config: RapidformerConfig) -> None:
         for key in keys
         if isinstance(saved.get(section), dict)
         and key in saved[section]
-        and now[section][key] is not None  # not given: the model's own config decides
+        # Not given on one side: a default filled in later, or the model's own config decides.
+        and now[section][key] is not None
+        and saved[section][key] is not None
         and saved[section][key] != now[section][key]
     ]
     if changed:

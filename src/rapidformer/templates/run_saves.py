@@ -38,9 +38,15 @@ class RunSaves:
         assert root is not None
         if self.background is not None and not final:
             return self.background.save(root, step, state, record, keep=keep)
-        if self.background is not None:  # the last checkpoint is on disk when the run ends
-            self.background.wait()
-        return save_checkpoint(root, step, state, record, keep=keep)
+        if self.background is None:
+            return save_checkpoint(root, step, state, record, keep=keep)
+        # The last checkpoint (or a stop signal's) is on disk when the run ends: written even
+        # when the background write before it failed (the disk may have room again), which
+        # is then raised.
+        self.background.finish()
+        path = save_checkpoint(root, step, state, record, keep=keep)
+        self.background.raise_if_failed()
+        return path
 
     def finish(self) -> None:
         """However the run ends, the write in flight completes first."""

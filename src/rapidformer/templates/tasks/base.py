@@ -211,8 +211,11 @@ class Task:
     ) -> list[int]:
         """Label ids of ``values``; the training split defines the label set. ``row_of`` maps
         a value's index to its row when rows hold several values (token tags)."""
-        unlabelled = [row_of[i] if row_of else i for i, v in enumerate(values) if v is None]
-        if unlabelled:  # str(None) would make a class "None"
+        # str(None) would make a class "None"; a ClassLabel marks a missing label -1.
+        negative_ok = names is None  # only a ClassLabel's -1 means "no label"
+        missing = [v is None or (not negative_ok and isinstance(v, int) and v < 0) for v in values]
+        unlabelled = [row_of[i] if row_of else i for i, gone in enumerate(missing) if gone]
+        if unlabelled:
             raise DataError(
                 f"the {split} split has {len(unlabelled)} rows without a label (null), the "
                 f"first: {', '.join(map(str, unlabelled[:5]))}. Fix: label them, or drop them"
