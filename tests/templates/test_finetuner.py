@@ -192,9 +192,10 @@ def test_bad_data_and_model_directories_are_named(models: dict[str, Path], tmp_p
     with pytest.raises(DataError, match=r"no text column: looked for text, sentence.*sentence_x"):
         _trainer(models["bert"], data).build_data()
 
-    (data / "sst_train.jsonl").write_text('{"text": "a b", "label": "p"}\n')
+    two_classes = '{"text": "a b", "label": "p"}\n{"text": "b", "label": "r"}\n'
+    (data / "sst_train.jsonl").write_text(two_classes)
     (data / "sst_validation.jsonl").write_text('{"text": "c", "label": "q"}\n')
-    with pytest.raises(DataError, match=r"validation split has label 'q'.*known labels: p"):
+    with pytest.raises(DataError, match=r"validation split has label 'q'.*known labels: p, r"):
         _trainer(models["bert"], data).build_data()
 
     with pytest.raises(ConfigError, match=r"--data-name='nope': no configuration.*sst_train"):
