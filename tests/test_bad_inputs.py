@@ -10,9 +10,13 @@ The catalogue is tests/helpers/bad_inputs.py.
 
 from __future__ import annotations
 
+import shutil
+import socket
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
@@ -20,12 +24,14 @@ from tests.helpers.bad_inputs import (
     CASES,
     GOOD_ROWS,
     HEADER,
+    WHITE_BOX,
     Case,
     Inputs,
     argv_of,
     build_inputs,
     user_script,
 )
+from tests.helpers.trainers import LAUNCHER_VARIABLES
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +80,113 @@ def test_the_data_file_checks_leave_parquet_alone(tmp_path: Path) -> None:
 
     datasets.Dataset.from_list(GOOD_ROWS).to_parquet(str(tmp_path / "train.parquet"))
     assert len(load_splits(str(tmp_path))["train"]) == len(GOOD_ROWS)
+
+
+def _said(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(argv)
+    error = capsys.readouterr().err
+    assert "Traceback" not in error, error[-3000:]
+    return code, error
+
+
+def test_world_size_without_a_launcher_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """WORLD_SIZE=2 typed by hand: refused before any process group (it used to wait out the
+    timeout); with the rendezvous variables but no other rank: refused once the (short)
+    timeout has passed, with the address it waited at, instead of the store's error."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*WHITE_BOX, "--save", str(tmp_path / "save")]
+    code, error = _said(argv, capsys)
+    assert code == 2
+    assert "WORLD_SIZE=2: this process is one of 2, but RANK, MASTER_ADDR, MASTER_PORT" in error
+    assert "torchrun --nproc-per-node 2" in error
+    assert not (tmp_path / "save").exists()
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    started = time.monotonic()
+    code, error = _said([*argv, "--distributed-timeout-minutes", "0.05"], capsys)
+    assert code == 2 and time.monotonic() - started < 60
+    assert f"rank 0 waited for the other ranks at 127.0.0.1:{port}" in error
+
+
+def test_a_save_directory_that_cannot_be_written_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only --save (a permission error; root ignores file modes, so the error is raised
+    where the run opens its first file there), then a full disk: each exit 2 before training,
+    naming the directory and the cause."""
+    import rapidformer.checkpoint.lock as lock
+
+    save = tmp_path / "save"
+    argv = [*WHITE_BOX, "--save", str(save)]
+
+    def read_only(path: object, *args: object, **kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(lock, "open", read_only, raising=False)
+        code, error = _said(argv, capsys)
+    assert code == 2
+    assert f"--save {save} cannot be written (Permission denied)" in error
+    with monkeypatch.context() as patch:
+        patch.setattr(lock.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(9, 9, 4096))
+        code, error = _said(argv, capsys)
+    assert code == 2
+    assert f"--save {save}: its disk is full (4 KiB free)" in error
+    assert find_checkpoint(save) is None and not (save / "metrics.jsonl").exists()
+
+
+def test_a_disk_that_fills_mid_run_costs_the_metrics_file_not_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """metrics.jsonl and TensorBoard's writer thread fail from step 3 on (ENOSPC): one
+    warning each, no thread traceback, training goes on. The save of step 4 fails too: exit 2
+    naming the cause, ``latest`` on step 2's whole checkpoint."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    import rapidformer.sinks as sinks
+
+    real_write, real_save = sinks.JsonlSink.write, torch.save
+    full = OSError(28, "No space left on device")
+
+    def metrics(self: sinks.JsonlSink, kind: str, record: dict[str, object]) -> None:
+        if int(str(record["step"])) >= 3:
+            raise full
+        real_write(self, kind, record)
+
+    def checkpoint(obj: object, path: object, *args: object, **kwargs: object) -> None:
+        if "iter_0000004" in str(path):
+            raise full
+        real_save(obj, path, *args, **kwargs)
+
+    events: list[bytes] = []
+
+    def event(self: RecordWriter, data: bytes) -> None:  # in TensorBoard's own thread
+        events.append(data)
+        if len(events) > 12:  # the first rows' scalars are written
+            raise full
+
+    monkeypatch.setattr(sinks.JsonlSink, "write", metrics)
+    monkeypatch.setattr(RecordWriter, "write", event)
+    monkeypatch.setattr(torch, "save", checkpoint)
+    save = tmp_path / "save"
+    flags = ["--train-iters", "6", "--save-interval", "2", "--log-interval", "1"]
+    code, error = _said([*WHITE_BOX, *flags, "--save", str(save)], capsys)
+    assert code == 2
+    assert error.count("metrics are no longer written to") == 2  # once per file
+    assert f"{save / 'metrics.jsonl'} (OSError: [Errno 28] No space left" in error
+    assert error.count(f"metrics are no longer written to {save / 'tensorboard'}") == 1
+    assert "train step 3/6" in error  # the console still shows the rows
+    assert f"cannot write the checkpoint of step 4 to {save}" in error
+    assert "No space left on device" in error
+    assert (save / "latest").read_text().strip() == "iter_0000002"
+    assert find_checkpoint(save) == save / "iter_0000002"
+    assert len((save / "metrics.jsonl").read_text().splitlines()) == 2

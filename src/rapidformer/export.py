@@ -1,5 +1,5 @@
 """Export a checkpoint to Hugging Face format:
-``python -m rapidformer.export CHECKPOINT OUT_DIR [--merge-lora]``.
+``python -m rapidformer.export CHECKPOINT OUT_DIR [--merge-lora] [--vocab-file F --merge-file F]``.
 
 CHECKPOINT is a ``--save`` directory (its ``latest`` checkpoint is used) or one ``iter_*``
 directory. For a pretraining checkpoint OUT_DIR then holds ``config.json``, the weights and the
@@ -9,6 +9,10 @@ it holds PEFT's adapter directory (``PeftModel.from_pretrained(base, OUT_DIR)``)
 ``--merge-lora`` the base model with the adapters folded into its weights (a plain Hugging Face
 model directory, the base read from where the run read it: the Hugging Face directory, or for
 the built-in GPT and BERT their ``--pretrained-checkpoint``, exported as above).
+
+The tokenizer is read from the files the run named (its config, in ``progress.json``). Where they
+have moved since, ``--vocab-file`` and ``--merge-file`` name their new place; the checkpoint is
+left as it is (editing its ``progress.json`` would break its manifest).
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from torch import nn
 
 from rapidformer import safe_load
 from rapidformer.accel.lora.saving import export_adapter, merge_into
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.checkpoint.directory import read_progress
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.config.schema import DataConfig
+from rapidformer.data.tokenizers import build_tokenizer, is_bert
 from rapidformer.errors import CheckpointError, ConfigError, exit_code_of
 from rapidformer.templates.families import family_for
 
@@ -34,15 +43,47 @@ def export_checkpoint(
     *,
     trust_checkpoint: bool = False,
     merge_lora: bool = False,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
 ) -> Path:
     """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``
     (safetensors), or a checkpoint's adapters (see the module docstring). Its files are scanned
-    before they are unpickled unless ``trust_checkpoint`` (see :mod:`rapidformer.safe_load`)."""
+    before they are unpickled unless ``trust_checkpoint`` (see :mod:`rapidformer.safe_load`).
+    ``vocab_file`` and ``merge_file``: the tokenizer's files where they are now, in place of
+    those the run named."""
     with safe_load.trusting(trust_checkpoint):
-        return _export(checkpoint, out_dir, merge_lora)
+        return _export(checkpoint, out_dir, merge_lora, TokenizerFiles(vocab_file, merge_file))
 
 
-def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Path:
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """The export's own ``--vocab-file`` and ``--merge-file`` (None: the run's)."""
+
+    vocab_file: str | None = None
+    merge_file: str | None = None
+
+    def resolve(self, path: Path, data: DataConfig) -> tuple[str, str | None]:
+        """The files to read: ours where given, else the run's; refused by name if missing."""
+        vocab = self.vocab_file or data.vocab_file
+        merges = self.merge_file or data.merge_file
+        assert vocab is not None and data.tokenizer_type is not None
+        needed = [("--vocab-file", vocab, self.vocab_file)]
+        if not is_bert(data.tokenizer_type):
+            needed.append(("--merge-file", merges or "", self.merge_file))
+        for flag, file, ours in needed:
+            if not Path(file).is_file():
+                whose = "this export's" if ours else "the run's"
+                raise CheckpointError(
+                    f"{path} was trained with the tokenizer file {file!r} ({whose} {flag}), "
+                    "which is not there. Fix: pass where it is now, as "
+                    f"python -m rapidformer.export ... {flag} FILE (the checkpoint is unchanged)"
+                )
+        return vocab, merges
+
+
+def _export(
+    checkpoint: str | Path, out_dir: str | Path, merge_lora: bool, files: TokenizerFiles
+) -> Path:
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise CheckpointError(
             f"{out_dir} is a file: the export writes a Hugging Face directory there (and "
@@ -73,11 +114,11 @@ def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Pa
             f"{path}: not a pretraining checkpoint (no --tokenizer-type and "
             "--vocab-file in its config)"
         )
-    tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)
+    tokenizer = build_tokenizer(data.tokenizer_type, *files.resolve(path, data))
     family = family_for(data.tokenizer_type)
     model = family.build_model(config, tokenizer.vocab_size, device="cpu")
     if adapters is None:
-        model.load_state_dict(consolidated_model_state(path))
+        _load_weights(model, consolidated_model_state(path), path, tokenizer.vocab_size)
     else:  # the base from its --pretrained-checkpoint, the adapters folded in
         base = find_checkpoint(adapters["source"])
         if base is None:
@@ -89,6 +130,20 @@ def _export(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool) -> Pa
         model.load_state_dict(consolidated_model_state(base))
         merge_into(model, adapters, consolidated_model_state(path))
     return family.export(model, out_dir, tokenizer)
+
+
+def _load_weights(model: nn.Module, weights: dict[str, Any], path: Path, vocab_size: int) -> None:
+    """The checkpoint's weights into the model built for the tokenizer found; a vocabulary of
+    another size (the wrong file given) is named, not left to a shape error of torch's."""
+    ours = model.state_dict()
+    for name, tensor in weights.items():
+        if name in ours and ours[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"{path} does not fit the tokenizer given: {name} is {tuple(tensor.shape)} "
+                f"there and {tuple(ours[name].shape)} for a vocabulary of {vocab_size} tokens. "
+                "Fix: pass the vocabulary the run was trained with (--vocab-file, --merge-file)"
+            )
+    model.load_state_dict(weights)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a checkpoint of adapters: write the base with the adapters folded in (a plain "
         "Hugging Face model) instead of PEFT's adapter directory",
     )
+    for flag, what in (("--vocab-file", "vocabulary"), ("--merge-file", "BPE merges")):
+        parser.add_argument(
+            flag,
+            help=f"the {what} file where it is now, when it has moved since the run "
+            "(default: the file the run named)",
+        )
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(
@@ -113,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out_dir,
             trust_checkpoint=args.trust_checkpoint,
             merge_lora=args.merge_lora,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
         )
     except (CheckpointError, ConfigError) as exc:
         print(f"rapidformer.export: error: {exc}", file=sys.stderr)

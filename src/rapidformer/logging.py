@@ -1,9 +1,8 @@
 """Rank-0 reporting: log lines every --log-interval, a progress bar, metrics.jsonl and
-TensorBoard event files under --save. Other ranks report nothing."""
+TensorBoard event files under --save (:mod:`rapidformer.sinks`). Other ranks report nothing."""
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import sys
@@ -16,6 +15,7 @@ if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI 
     import torch
 
     from rapidformer.flops import MfuMeter
+    from rapidformer.sinks import GuardedSinks
 
 log = logging.getLogger("rapidformer")
 
@@ -90,17 +90,14 @@ class MetricsLogger:
         self.log_interval = log_interval
         self.total_steps = total_steps
         self.device = device
-        self._jsonl = None
-        self._tensorboard = None
+        self._sinks: GuardedSinks | None = None
         self._bar = None
         if enabled:
             setup_console_logging()
             if save_dir is not None:
-                Path(save_dir).mkdir(parents=True, exist_ok=True)
-                self._jsonl = open(Path(save_dir) / "metrics.jsonl", "a")  # noqa: SIM115
-                from torch.utils.tensorboard import SummaryWriter
+                from rapidformer.sinks import open_sinks
 
-                self._tensorboard = SummaryWriter(str(Path(save_dir) / "tensorboard"))
+                self._sinks = open_sinks(save_dir)
             if sys.stderr.isatty():
                 from tqdm import tqdm
 
@@ -196,22 +193,14 @@ class MetricsLogger:
             self._bar.write(message)
         else:
             log.info(message)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"kind": kind, **record}) + "\n")
-            self._jsonl.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
-            self._tensorboard.flush()
+        if self._sinks is not None:
+            self._sinks.write(kind, record)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self._sinks is not None:
+            self._sinks.close()
 
 
 def _fmt(value: object) -> str:

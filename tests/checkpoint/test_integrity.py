@@ -122,12 +122,25 @@ def test_save_keep_keeps_the_newest_checkpoints_and_debris_is_cleaned(tmp_path: 
     assert names == [".lock", "iter_0000004", "iter_0000006"]  # the lock file stays (unheld)
 
 
+def test_save_keep_counts_only_whole_checkpoints(tmp_path: Path) -> None:
+    """A damaged step-6 checkpoint (model.pt gone): the resume falls back to step 4, and the
+    save of step 5 with --save-keep 2 keeps steps 4 and 5, both whole; the damaged one is not
+    counted (it used to push step 4 out, leaving one whole checkpoint of the two asked for)."""
+    _run(tmp_path, "--save-keep", "3")
+    (tmp_path / "iter_0000006" / "model.pt").unlink()
+    _run(tmp_path, "--train-iters", "5", "--save-interval", "1", "--save-keep", "2")
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_"))
+    assert names == ["iter_0000004", "iter_0000005", "iter_0000006"]
+    assert damage(tmp_path / "iter_0000004") is None and damage(tmp_path / "iter_0000005") is None
+    assert find_checkpoint(tmp_path) == tmp_path / "iter_0000005"
+
+
 KILL_FLAGS = ("--train-iters", "40", "--micro-batch-size", "4", "--save-interval", "1")
 
 
-def _command(save: Path) -> list[str]:
+def _command(save: Path, *extra: str) -> list[str]:
     script = ROOT / "tests" / "scripts" / "faulty_trainer.py"
-    flags = [*TINY_FLAGS, *KILL_FLAGS, "--log-interval", "1", "--save", str(save)]
+    flags = [*TINY_FLAGS, *KILL_FLAGS, "--log-interval", "1", "--save", str(save), *extra]
     return [sys.executable, "-m", "rapidformer", "--user-script", str(script), *flags]
 
 
@@ -140,14 +153,21 @@ def _steps_logged(save: Path) -> int:
 def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
     tmp_path: Path,
 ) -> None:
+    """Half the attempts with --async-save: the end equals an uninterrupted synchronous run's
+    (background checkpoints hold what synchronous ones do)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_SLOW_SAVES": "0.02"}
     reference = tmp_path / "reference"
     done = subprocess.run(_command(reference), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
     save, rng, resumes, mid_save, newest = tmp_path / "killed", random.Random(0), 0, 0, 0
-    for _ in range(20):
-        process = subprocess.Popen(_command(save), env=env, stderr=subprocess.PIPE, text=True)
+    mid_background = 0
+    for attempt in range(20):
+        # Every other attempt writes its checkpoints in the background (--async-save): those
+        # kills can land while the thread writes and training goes on.
+        background = ("--async-save",) if attempt % 2 else ()
+        command = _command(save, *background)
+        process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
         logged = _steps_logged(save)
         # Kill at a random moment once this attempt made progress: while training, or (every
         # other time) as soon as a checkpoint is being staged.
@@ -158,7 +178,9 @@ def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
         if rng.random() < 0.5:
             while not list(save.glob(".tmp-*")) and process.poll() is None:
                 time.sleep(0.001)
-            mid_save += bool(list(save.glob(".tmp-*")))
+            staged = bool(list(save.glob(".tmp-*")))
+            mid_save += staged
+            mid_background += staged and bool(background)
         time.sleep(rng.uniform(0.0, 0.05))
         if process.poll() is not None:
             break  # finished before the kill
@@ -175,8 +197,11 @@ def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
         newest = step
     final = subprocess.run(_command(save), env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-2000:]
-    assert resumes == 20 and mid_save >= 3, (resumes, mid_save)
-    print(f"kill -9 loop: {resumes} kills ({mid_save} while a checkpoint was staged), resumed")
+    assert resumes == 20 and mid_save >= 3 and mid_background >= 2, (resumes, mid_save)
+    print(
+        f"kill -9 loop: {resumes} kills ({mid_save} while a checkpoint was staged, "
+        f"{mid_background} of them by a background write), resumed"
+    )
     assert not list(save.glob(".tmp-*")) and not list(save.glob(".old-*"))
     a = torch.load(reference / "iter_0000040" / "model.pt")
     b = torch.load(save / "iter_0000040" / "model.pt")

@@ -4,11 +4,14 @@ it reads or writes anything there, and the first run ends exactly as it does alo
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,3 +92,78 @@ def test_two_processes_on_one_directory_the_second_is_refused_the_first_unharmed
     assert "Traceback" not in second.stderr
     assert main([*flags, "--save", str(alone)]) == 0
     assert read_losses(shared) == read_losses(alone)
+
+
+def _run_forked(argv: list[str], go: Path, stderr: Path, start: Any) -> None:
+    """A run of the command in a child forked from this process (a new interpreter per run
+    would cost 40 Python starts; what the lock checks is the same across processes)."""
+    os.environ["RAPIDFORMER_TEST_GO"] = str(go)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the child ends with os._exit)
+    sys.stderr = open(stderr, "w", buffering=1)  # noqa: SIM115
+    if start is not None:
+        start.wait()  # both runs of a simultaneous trial leave this line together
+    code = main(argv)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@pytest.mark.slow
+def test_twenty_trials_of_two_runs_on_one_directory(tmp_path: Path) -> None:
+    """10 staggered trials (the second run starts a random 0-300 ms after the first holds the
+    lock) and 10 simultaneous ones (both released by one barrier), with different seeds:
+    every time one run is refused with exit 2 naming the holder, and the other ends exactly as
+    the same run alone (its losses bitwise: the same computation in the same process image)."""
+    context = multiprocessing.get_context("fork")
+    flags = [*FLAGS, "--train-iters", "4", "--log-interval", "1"]
+    flags[1] = str(WAITING_SCRIPT)
+    alone = {}
+    for seed in ("1", "2"):
+        assert main([*flags, "--seed", seed, "--save", str(tmp_path / f"alone{seed}")]) == 0
+        alone[seed] = read_losses(tmp_path / f"alone{seed}")
+    assert alone["1"] != alone["2"]  # a run that resumed the other's checkpoint would show
+    rng, problems = random.Random(0), []
+    for trial in range(20):
+        simultaneous = trial % 2 == 1
+        root = tmp_path / f"trial{trial}"
+        shared, go = root / "shared", root / "go"
+        root.mkdir()
+        start = context.Barrier(2) if simultaneous else None
+        runs = {
+            seed: context.Process(
+                target=_run_forked,
+                args=(
+                    [*flags, "--seed", seed, "--save", str(shared)],
+                    go,
+                    root / f"stderr{seed}",
+                    start,
+                ),
+            )
+            for seed in ("1", "2")
+        }
+        runs["1"].start()
+        if not simultaneous:
+            deadline = time.monotonic() + 120
+            while not (shared / LOCK_FILE).is_file() or not (shared / LOCK_FILE).read_text():
+                assert runs["1"].is_alive() and time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
+        runs["2"].start()
+        deadline = time.monotonic() + 120
+        while all(run.exitcode is None for run in runs.values()):  # the loser ends first
+            assert time.monotonic() < deadline, f"trial {trial}: neither run was refused"
+            time.sleep(0.01)
+        go.touch()
+        for run in runs.values():
+            run.join(120)
+        codes = {seed: run.exitcode for seed, run in runs.items()}
+        winners = [seed for seed, code in codes.items() if code == 0]
+        said = {seed: (root / f"stderr{seed}").read_text() for seed in runs}
+        if sorted(codes.values()) != [0, 2] or (not simultaneous and winners != ["1"]):
+            problems.append(f"trial {trial}: exit codes {codes}\n{said}")
+            continue
+        (loser,) = set(runs) - set(winners)
+        if "is in use by another run (pid " not in said[loser] or "Traceback" in said[loser]:
+            problems.append(f"trial {trial}: the refused run said\n{said[loser]}")
+        if read_losses(shared) != alone[winners[0]]:
+            problems.append(f"trial {trial}: the run that kept {shared} differs from alone")
+    assert not problems, "\n\n".join(problems)

@@ -101,6 +101,47 @@ def test_gpt_pretraining_learns_and_exports_to_transformers(
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
+def test_export_reads_a_moved_vocabulary_from_its_own_flags(
+    gpt_data: PretrainingData, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's tokenizer files moved: the export names the file and its own flag (exit 2,
+    no traceback); given the new places it writes the model; a vocabulary of another size is
+    named, not a shape error. The checkpoint stays as it was (its manifest still verifies)."""
+    from rapidformer.checkpoint.integrity import damage
+    from rapidformer.data.tokenizers import train_tokenizer
+    from rapidformer.export import main as export
+
+    assert gpt_data.merge_file is not None
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    moved = {name: old / Path(name).name for name in (gpt_data.vocab_file, gpt_data.merge_file)}
+    for source, copy in moved.items():
+        copy.write_bytes(Path(source).read_bytes())
+    data = PretrainingData(
+        gpt_data.prefix, gpt_data.tokenizer_type, str(moved[gpt_data.vocab_file]),
+        str(moved[gpt_data.merge_file]),
+    )  # fmt: skip
+    _pretrain(data, tmp_path / "run", "--train-iters", "2")
+    old.rename(new)
+    capsys.readouterr()
+    assert export([str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    said = capsys.readouterr().err
+    assert "(the run's --vocab-file), which is not there" in said and "Traceback" not in said
+    vocab, merges = (str(new / Path(f).name) for f in (data.vocab_file, data.merge_file))
+    assert export([str(tmp_path / "run"), str(tmp_path / "hf"), "--vocab-file", vocab]) == 2
+    assert "(the run's --merge-file), which is not there" in capsys.readouterr().err
+    flags = ["--vocab-file", vocab, "--merge-file", merges]
+    assert export([str(tmp_path / "run"), str(tmp_path / "hf"), *flags]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    other = train_tokenizer(synthetic_documents(50, seed=1), "GPT2BPETokenizer",
+                            str(tmp_path / "other"), vocab_size=300)  # fmt: skip
+    assert export([str(tmp_path / "run"), str(tmp_path / "hf2"), "--vocab-file", other[0],
+                   "--merge-file", str(other[1])]) == 2  # fmt: skip
+    said = capsys.readouterr().err
+    assert "does not fit the tokenizer given" in said and "Traceback" not in said
+    assert damage(tmp_path / "run" / "iter_0000002") is None
+
+
 def test_bert_pretraining_masked_lm_accuracy_rises_above_chance(
     bert_data: PretrainingData, tmp_path: Path
 ) -> None:

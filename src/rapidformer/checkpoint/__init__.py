@@ -277,8 +277,10 @@ def required_files_of(state: TrainState) -> list[str]:
 def publish_staged(
     root: Path, staging: Path, final: Path, keep: int | None, required: list[str]
 ) -> None:
-    """Rank 0: seal the staged checkpoint with its manifest and move it into place."""
+    """Rank 0: seal the staged checkpoint with its manifest, flush it to disk, and move it
+    into place; ``latest`` names it once it is there."""
     write_manifest(staging, required)
+    sync_files(staging)
     aside = root / f"{ASIDE_PREFIX}{final.name}"
     if final.exists():  # the same step saved again (a resumed run redoing steps)
         os.replace(final, aside)
@@ -288,12 +290,39 @@ def publish_staged(
         if aside.exists() and not final.exists():
             os.replace(aside, final)  # the old copy back where latest may point
         raise
+    sync_directory(root)  # the rename on disk before the pointer names it
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
+    with open(pointer, "w", encoding="utf-8") as stream:
+        stream.write(final.name + "\n")
+        stream.flush()
+        os.fsync(stream.fileno())
     os.replace(pointer, root / LATEST)  # the pointer moves only once the data is whole
+    sync_directory(root)
     shutil.rmtree(aside, ignore_errors=True)
     if keep is not None:
         prune(root, keep)
+
+
+def sync_files(directory: Path) -> None:
+    """Every file and directory under ``directory`` on disk (``fsync``): a checkpoint is
+    published only once a power loss could not take its contents back."""
+    for path in sorted(directory.rglob("*"), reverse=True):  # files before their directory
+        if path.is_file():
+            with open(path, "rb") as stream:
+                os.fsync(stream.fileno())
+        elif path.is_dir():
+            sync_directory(path)
+    sync_directory(directory)
+
+
+def sync_directory(directory: Path) -> None:
+    """A rename in ``directory`` made durable: after a power loss the entry could otherwise
+    still name the old file, whatever was flushed into the new one."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _agree(action: Callable[[], None], staging: Path, step: int, device: torch.device) -> None:

@@ -2,8 +2,8 @@
 
 The step that saves waits only for a copy of what the checkpoint holds, in host memory (the
 model's and optimizer's state cloned off the live tensors, the RNG, schedule and scaler state,
-the progress record); a thread then writes the files into the staging directory, flushes them
-to disk (``fsync``), and publishes the checkpoint as a synchronous save does: manifest, rename,
+the progress record); a thread then writes the files into the staging directory and publishes
+the checkpoint as a synchronous save does: manifest, flush to disk (``fsync``), rename,
 ``latest``, pruning. So ``latest`` only ever names files that are complete and on disk, and a
 kill at any moment leaves the previous checkpoint to resume from.
 
@@ -23,7 +23,6 @@ elsewhere, naming the flag (``config/validate.py``).
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from pathlib import Path
@@ -156,17 +155,8 @@ class BackgroundSaver:
             remove_debris(root)  # nothing of this run is in flight: wait() came first
             staging.mkdir()
             write_objects(staging, files)
-            _sync_to_disk(staging)
             publish_staged(root, staging, root / iteration_dir(step), keep, required)
         except BaseException as failure:  # noqa: BLE001 (reported at the next step)
             shutil.rmtree(staging, ignore_errors=True)
             self._failure = failure
             log.warning("the background write of step %d failed: %s", step, failure)
-
-
-def _sync_to_disk(directory: Path) -> None:
-    """Every file under ``directory`` on disk before the checkpoint is published."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as stream:
-                os.fsync(stream.fileno())

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rapidformer.checkpoint.integrity import damage
+from rapidformer.checkpoint.integrity import damage, looks_whole
 from rapidformer.errors import CheckpointError
 from rapidformer.logging import log
 
@@ -82,12 +82,17 @@ def remove_debris(root: Path) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints (and always the one ``latest`` names)."""
+    """Keep the newest ``keep`` whole checkpoints, always the one ``latest`` names, and any
+    newer than those (a damaged one left by an earlier run: kept for whoever looks into it,
+    never counted, so it cannot push a whole one out)."""
     pointer = root / LATEST
     current = read_pointer(pointer) if pointer.is_file() else None
-    for old in iterations(root)[keep:]:
-        if old.name != current:
-            shutil.rmtree(old, ignore_errors=True)
+    whole = 0
+    for checkpoint in iterations(root):
+        if whole >= keep and checkpoint.name != current:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+        elif looks_whole(checkpoint):
+            whole += 1
 
 
 def _problem(directory: Path) -> str | None:

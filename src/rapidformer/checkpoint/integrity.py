@@ -36,6 +36,27 @@ def write_manifest(directory: Path, required: list[str] | None = None) -> None:
     (directory / MANIFEST).write_text(json.dumps(record, indent=1))
 
 
+def looks_whole(directory: Path) -> bool:
+    """Whether every file the manifest lists (and every required one) is there at its
+    recorded size: :func:`damage` without reading the files (pruning runs it at every save).
+    A checkpoint without a manifest (written before manifests) counts as whole."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        return (directory / "progress.json").is_file()
+    try:
+        record = json.loads(manifest.read_text())
+        sizes = {str(name): int(entry["size"]) for name, entry in record["files"].items()}
+        required = [str(name) for name in record.get("required", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if any(name not in sizes for name in required):
+        return False
+    return all(
+        (directory / name).is_file() and (directory / name).stat().st_size == size
+        for name, size in sizes.items()
+    )
+
+
 def damage(directory: Path) -> str | None:
     """What is wrong with the checkpoint in ``directory`` (naming the file), or None when
     every file its manifest lists is there, whole and unchanged."""

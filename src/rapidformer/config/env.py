@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from rapidformer.errors import Violation
+
+RENDEZVOUS = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What every rank of a job of several needs besides WORLD_SIZE to find the others (torchrun,
+mp.spawn via rapidformer.launcher, Slurm scripts set them)."""
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -39,6 +45,28 @@ class LaunchEnv:
                 (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if agent else None
             ),
         )
+
+
+def launch_violations(env: LaunchEnv) -> list[Violation]:
+    """A WORLD_SIZE of several without the rest of a launcher's variables: this process could
+    only wait out the timeout for peers nobody started, so it is refused before it waits."""
+    if env.world_size == 1:
+        return []
+    missing = [name for name in RENDEZVOUS if name not in os.environ]
+    fix = (
+        f"launch every rank with torchrun --nproc-per-node {env.world_size} (it sets them), "
+        "or unset WORLD_SIZE to train in one process"
+    )
+    if missing:
+        rule = (
+            f"this process is one of {env.world_size}, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set, so it cannot find the others"
+        )
+        return [Violation("WORLD_SIZE", env.world_size, rule, fix)]
+    if not 0 <= env.rank < env.world_size:
+        rule = f"RANK={env.rank} is not one of the {env.world_size} ranks 0..{env.world_size - 1}"
+        return [Violation("WORLD_SIZE", env.world_size, rule, fix)]
+    return []
 
 
 def _local_world_size(world_size: int) -> int | None:

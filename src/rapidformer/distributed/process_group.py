@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rapidformer.config.env import LaunchEnv
+from rapidformer.errors import ConfigError
 
 Group = dist.ProcessGroup | None
 
@@ -42,13 +43,24 @@ def init_process_group(
     if dist.is_initialized() or env.world_size == 1:
         return False
     timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
-    dist.init_process_group(
-        backend=_backend(device),
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        store=_attempt_store(env, timeout),
-    )
+    try:
+        dist.init_process_group(
+            backend=_backend(device),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+            store=_attempt_store(env, timeout),
+        )
+    except dist.DistStoreError as exc:  # the peers never came: say so, not the store's words
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise ConfigError.single(
+            "WORLD_SIZE",
+            env.world_size,
+            f"rank {env.rank} waited for the other ranks at {where} and not all of them came "
+            f"({exc})",
+            "start every rank with the same MASTER_ADDR and MASTER_PORT (torchrun "
+            f"--nproc-per-node {env.world_size} does), or unset WORLD_SIZE to train in one process",
+        ) from exc
     return True
 
 

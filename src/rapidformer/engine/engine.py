@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from rapidformer import safe_load
 from rapidformer.accel.compile import compiled_loss
-from rapidformer.config.env import LaunchEnv
+from rapidformer.config.env import LaunchEnv, launch_violations
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
@@ -97,7 +97,7 @@ class RapidformerEngine:
             rank=env.rank,
             builds_optimizer=builds_optimizer,
             runs_loop=runs_loop,
-            extra=extra_violations,
+            extra=[*extra_violations, *launch_violations(env)],
         )
         self.config = config
         self.env = env
