@@ -41,7 +41,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
     names = ["precision", "throughput", "recompute", "optimizers", "dynamic_shape", "onnxruntime"]
-    names += ["adapters", "packing"]
+    names += ["adapters", "packing", "async_save"]
     assert list(sections) == names
     assert all(s["status"] == "ok" for s in sections.values()), sections
     assert result["dry_run"] and result["machine"]["cpu"]
@@ -97,6 +97,11 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     for row in packing.values():
         speed = packing["packed"]["learned_tokens_per_s"] / row["learned_tokens_per_s"]
         assert row["packed_vs_this"] == speed and row["eval_loss"] > 0
+    saves = sections["async_save"]["data"]
+    assert list(saves["rows"]) == ["sync", "async"] and saves["same_end_state"], saves
+    # The same files (the GPT's tied embedding one tensor in both), up to the zip's own bytes.
+    sizes = [saves["rows"][mode]["checkpoint_gib"] for mode in ("sync", "async")]
+    assert abs(sizes[0] - sizes[1]) <= 0.01 * sizes[0], sizes
     markdown = (tmp_path / "gpu_suite.md").read_text()
     assert "## throughput (ok" in markdown and "Llama-tiny compile (model scope)" in markdown
 
@@ -111,7 +116,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not on the GPU image")
 sys.meta_path.insert(0, Block())
 sys.path[:0] = ["benchmarks/gpu", "benchmarks", "src", "."]
-import suite, side_by_side, finetuning, packing
+import suite, side_by_side, finetuning, packing, async_save
 import tests.helpers.gpu, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
 print("imported")
 """

@@ -25,6 +25,11 @@ Sections (each timed, each failing on its own without stopping the others):
    in dynamic-shape buckets and packed (``benchmarks/packing.py``'s modes): learned tokens/s,
    peak memory, eval loss.
 
+8. ``async_save``: the built-in GPT of about 300M parameters, fp32, AdamW: synchronous
+   checkpoints against ``--async-save``'s writer (the copy goes to pinned host memory), each
+   mode's training stall per save, step time while a write runs, and whether the end states
+   agree (``benchmarks/async_save.py``'s measurement).
+
 Sections 6 and 7 are in ``finetuning.py``.
 
 ``--dry-run`` runs the same code on tiny shapes (on a CPU in under two minutes); CI runs it so
@@ -242,6 +247,27 @@ def onnxruntime_section(dry: bool) -> dict[str, Any]:
     return {"providers": providers, "rows": rows}
 
 
+def async_save_section(dry: bool) -> dict[str, Any]:
+    import async_save
+
+    runs = {mode: async_save.measure(mode, "tiny" if dry else "full") for mode in async_save.MODES}
+    rows = {}
+    for mode, run in runs.items():
+        writing = run["step_s_writing"]
+        rows[mode] = {
+            "stall_s": statistics.median(run["stall_s"]),
+            "step_ms": statistics.median(run["step_s_quiet"][1:]) * 1e3,
+            "step_ms_while_writing": statistics.median(writing) * 1e3 if writing else None,
+            "checkpoint_gib": run["checkpoint_bytes"] / 2**30,
+        }
+    keys = ("final_parameters_sha256", "last_checkpoint_model_sha256")
+    return {
+        "rows": rows,
+        "stall_ratio": rows["async"]["stall_s"] / rows["sync"]["stall_s"],
+        "same_end_state": all(runs["sync"][k] == runs["async"][k] for k in keys),
+    }
+
+
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "precision": precision_section,
     "throughput": throughput_section,
@@ -251,6 +277,7 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "onnxruntime": onnxruntime_section,
     "adapters": adapters_section,
     "packing": packing_section,
+    "async_save": async_save_section,
 }
 
 

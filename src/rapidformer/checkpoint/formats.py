@@ -152,10 +152,15 @@ class DistributedFormat:
     name = "dcp"
 
     def save(self, state: TrainState, directory: Path) -> None:
+        dcp.save(self.content(state), checkpoint_id=directory / SHARDED)
+
+    def content(self, state: TrainState) -> dict[str, Any]:
+        """What DCP writes: this rank's shards of the model and optimizer state (the live
+        tensors)."""
         content: dict[str, Any] = {"model": _model_state(state)}
         if state.optimizer is not None:
             content["optimizer"] = _optimizer_state(state)
-        dcp.save(content, checkpoint_id=directory / SHARDED)
+        return content
 
     def record(self, state: TrainState) -> dict[str, Any]:
         return {}

@@ -385,13 +385,14 @@ class CheckpointConfig:
     """Save every this many steps; a final checkpoint is always saved when --save is set, and
     one at the step reached when a stop signal (SIGTERM, SIGINT, SIGUSR1) arrives."""
     save_keep: int | None = None
-    """Keep only the newest this many checkpoints under --save (default: keep all)."""
+    """Keep only the newest this many whole checkpoints under --save, and the one 'latest'
+    names (default: keep all)."""
     async_save: bool = False
-    """Write each interval's checkpoint in a background thread: the step waits only for a copy
-    of the state in host memory; at most one save in flight; 'latest' moves once the files
-    are complete and on disk; a failed write stops the run at its next step. The last save and
-    a stop signal's are synchronous. One process, unsharded (the consolidated format) for now;
-    refused elsewhere."""
+    """Write each interval's checkpoint in a background thread on every rank: the step waits
+    only for a copy of the state in host memory (consolidated files, or this rank's DCP
+    shards); at most one save in flight; 'latest' moves once every rank's files are complete
+    and on disk; a failed write stops the run (on several ranks after a step they agree on).
+    The last save and a stop signal's are synchronous. Refused with DeepSpeed's engine."""
     trust_checkpoint: bool = False
     """Load checkpoint files without scanning their pickles (--load, resuming from --save, a
     Hugging Face .bin, a dense checkpoint to upcycle): only for a checkpoint whose source you

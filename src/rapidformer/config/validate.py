@@ -204,26 +204,23 @@ FINITE = "must be a finite number"
 
 
 def _async_save(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    """Background writes publish without asking other ranks (checkpoint/background.py): one
-    process, in the consolidated format."""
+    """Background writes (checkpoint/background.py) of the native formats, on any number of
+    ranks; DeepSpeed's engine writes its own format, synchronously."""
     checkpoint, memory = config.checkpoint, config.memory
     if not checkpoint.async_save:
         return
     problem = ""
     if checkpoint.save is None:
         problem = "there is nothing to save without --save"
-    elif context.dims.world_size > 1:
+    elif memory.zero_backend == "deepspeed":
         problem = (
-            f"background writes are built for one process (this run: {context.dims.world_size} "
-            "ranks, which would have to agree on every rank's files before publishing)"
-        )
-    elif memory.sharding != "none" or memory.zero_backend != "native":
-        problem = (
-            "background writes are built for the consolidated format (this run shards its "
-            "state, or runs DeepSpeed's engine, which write their own formats)"
+            "DeepSpeed's engine writes its own checkpoint format, synchronously; background "
+            "writes are built for rapidformer's formats (consolidated and DCP shards)"
         )
     if problem:
         fix = "drop --async-save (saves are then synchronous)"
+        if memory.zero_backend == "deepspeed" and checkpoint.save is not None:
+            fix += ", or use the native ZeRO (--zero-backend native)"
         yield Violation("--async-save", True, problem, fix)
 
 

@@ -150,8 +150,15 @@ class StepGuard:
         self.consecutive_skips = 0
         """Skipped steps in a row, as of the last judged step."""
         self._loss: torch.Tensor | None = None
+        self._stop_requested = False
+        """Set by :meth:`request_stop` (from any thread)."""
         self._pending: list[tuple[int, torch.Tensor]] = []
         self._late = _LateCopy()
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the same step, as a stop signal does (a failed
+        background checkpoint write does, from its thread)."""
+        self._stop_requested = True
 
     def observe_loss(self, loss: torch.Tensor) -> None:
         """This rank's loss (or losses) of the step about to be applied."""
@@ -164,7 +171,8 @@ class StepGuard:
         ``overflow``: fp16's found-inf flag, already agreed over the ranks."""
         rank, world = process_group.rank(), process_group.world_size()
         layout = Flags(world)
-        local_stop = self.signals is not None and self.signals.received is not None
+        received = self.signals is not None and self.signals.received is not None
+        local_stop = received or self._stop_requested
         zero = torch.zeros((), device=self.device)
         flags = layout.pack(
             rank,

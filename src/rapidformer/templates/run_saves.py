@@ -4,12 +4,14 @@ stop signal's stay synchronous, so a run ends with its checkpoint on disk)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rapidformer.checkpoint import save_checkpoint
 from rapidformer.checkpoint.background import BackgroundSaver
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed import process_group
 from rapidformer.state import TrainState
 
 
@@ -18,19 +20,25 @@ def due(step: int, interval: int | None) -> bool:
 
 
 class RunSaves:
-    """The saves of one ``fit()``."""
+    """The saves of one ``fit()``. ``request_stop``: how a failed background write on several
+    ranks stops every rank after the same step (the step guard's stop request)."""
 
-    def __init__(self, config: RapidformerConfig) -> None:
+    def __init__(self, config: RapidformerConfig, request_stop: Callable[[], None]) -> None:
         self.checkpoint = config.checkpoint
-        self.background = BackgroundSaver() if self.checkpoint.async_save else None
+        self.alone = process_group.world_size() == 1
+        self.background: BackgroundSaver | None = None
+        if self.checkpoint.async_save:
+            self.background = BackgroundSaver(None if self.alone else request_stop)
 
     def due(self, step: int, final: bool) -> bool:
         """Whether ``step`` saves (``final``: the last step, or a stop signal's)."""
         return bool(self.checkpoint.save) and (final or due(step, self.checkpoint.save_interval))
 
     def check(self) -> None:
-        """Stop the run if a background write failed (before the next step)."""
-        if self.background is not None:
+        """Stop the run if a background write failed (before the next step). One process
+        only: on several ranks the failure arrives as a stop request at a step every rank
+        agrees on, whose final save then raises it."""
+        if self.background is not None and self.alone:
             self.background.raise_if_failed()
 
     def save(self, step: int, state: TrainState, record: dict[str, Any], final: bool) -> Path:

@@ -233,7 +233,7 @@ class Trainer(ABC):
                 "checkpoint; pass --save DIR to survive preemption"
             )
         signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
-        saves = RunSaves(cfg)
+        saves = RunSaves(cfg, engine.guard.request_stop)
         try:
             with signals, contextlib.closing(logger):
                 metrics = self._loop(state, progress, logger, total_steps, saves)
