@@ -5,6 +5,7 @@ with ``latest`` left on the previous checkpoint."""
 from __future__ import annotations
 
 import io
+import signal
 import threading
 import time
 from pathlib import Path
@@ -273,3 +274,46 @@ def test_background_checkpoints_on_two_ranks_equal_synchronous_ones(tmp_path: Pa
     assert written == ["iter_0000004", f"iter_{stopped:07d}"] and not list(failing.glob(".tmp-*"))
     assert (failing / "latest").read_text().strip() == written[-1]
     assert damage(failing / written[-1]) is None
+
+
+def test_a_stop_signal_waits_for_the_write_in_flight_then_saves_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM at step 5 while step 4's background write is still running (slowed to 0.5 s):
+    the run publishes step 4, writes step 5 synchronously, and stops (Preempted); the rerun
+    ends bitwise where a run without the signal ends."""
+    real_save = torch.save
+    in_flight_at_stop: list[bool] = []
+
+    def slow_save(obj: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "rapidformer-save-4":
+            time.sleep(0.5)
+        real_save(obj, path, *args, **kwargs)
+
+    real_handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(torch, "save", slow_save)
+    script = ROOT / "tests" / "scripts" / "faulty_trainer.py"
+    flags = ["--user-script", str(script), *TINY_FLAGS, "--train-iters", "8"]
+    flags += ["--micro-batch-size", "4", "--save-interval", "4"]
+    assert main([*flags, "--save", str(tmp_path / "alone")]) == 0
+    monkeypatch.setenv("FAULT_SIGNAL", "5:0:SIGTERM")
+    original_finish = BackgroundSaver.finish
+
+    def finish(self: BackgroundSaver) -> None:
+        in_flight_at_stop.append(self.in_flight)
+        original_finish(self)
+
+    monkeypatch.setattr(BackgroundSaver, "finish", finish)
+    save = tmp_path / "stopped"
+    assert main([*flags, "--async-save", "--save", str(save)]) == 75
+    assert any(in_flight_at_stop)  # step 4's write was still running when step 5 stopped
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000004",
+        "iter_0000005",
+    ]
+    assert damage(save / "iter_0000004") is None and find_checkpoint(save) == save / "iter_0000005"
+    monkeypatch.delenv("FAULT_SIGNAL")
+    assert main([*flags, "--async-save", "--save", str(save)]) == 0
+    assert signal.getsignal(signal.SIGTERM) == real_handler
+    ours, theirs = (_tensors(d / "iter_0000008" / "model.pt") for d in (save, tmp_path / "alone"))
+    assert _equal(ours, theirs)
