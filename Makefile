@@ -11,9 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so nothing below can pull a different (multi-GB) build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	# The optional engines install too so that their tests run (DeepSpeed: a pure-Python wheel;
+	# The optional engines and trackers install too so that their tests run (DeepSpeed: a pure-Python wheel;
 	# onnxruntime-training: wheels for Python 3.10/3.11 only, skipped elsewhere by a marker).
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs,deepspeed,onnx]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,docs,deepspeed,onnx,trackers]'
 	# Test-only reference: Megatron's own .bin/.idx reader and writer (pure Python; its
 	# dependencies would pull a CUDA stack, and the indexed-dataset module needs none of them).
 	$(PY) -m pip install --quiet --no-deps megatron-core==0.16.1

@@ -144,6 +144,7 @@ def test_a_save_directory_that_cannot_be_written_is_named(
     assert find_checkpoint(save) is None and not (save / "metrics.jsonl").exists()
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_disk_that_fills_mid_run_costs_the_metrics_file_not_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,12 +153,12 @@ def test_a_disk_that_fills_mid_run_costs_the_metrics_file_not_the_run(
     naming the cause, ``latest`` on step 2's whole checkpoint."""
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    import rapidformer.sinks as sinks
+    import rapidformer.trackers.files as sinks
 
-    real_write, real_save = sinks.JsonlSink.write, torch.save
+    real_write, real_save = sinks.JsonlTracker.write, torch.save
     full = OSError(28, "No space left on device")
 
-    def metrics(self: sinks.JsonlSink, kind: str, record: dict[str, object]) -> None:
+    def metrics(self: sinks.JsonlTracker, kind: str, record: dict[str, object]) -> None:
         if int(str(record["step"])) >= 3:
             raise full
         real_write(self, kind, record)
@@ -174,7 +175,7 @@ def test_a_disk_that_fills_mid_run_costs_the_metrics_file_not_the_run(
         if len(events) > 12:  # the first rows' scalars are written
             raise full
 
-    monkeypatch.setattr(sinks.JsonlSink, "write", metrics)
+    monkeypatch.setattr(sinks.JsonlTracker, "write", metrics)
     monkeypatch.setattr(RecordWriter, "write", event)
     monkeypatch.setattr(torch, "save", checkpoint)
     save = tmp_path / "save"

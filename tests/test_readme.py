@@ -56,7 +56,7 @@ def test_the_readme_template_trains_once(my_trainer: Path, launch: list[str]) ->
     # The run ends by saying where it saved, and it did save there.
     checkpoint = f"{save}/iter_0000003"
     assert f"saved: checkpoint {checkpoint} " in done.stderr, done.stderr[-2000:]
-    assert f"metrics {save}/metrics.jsonl" in done.stderr
+    assert f"jsonl ({save}/metrics.jsonl)" in done.stderr
     assert (my_trainer.parent / checkpoint).is_dir()
     assert (my_trainer.parent / save / "metrics.jsonl").is_file()
 

@@ -1,5 +1,6 @@
 """Rank-0 reporting: log lines every --log-interval, a progress bar, metrics.jsonl and
-TensorBoard event files under --save (:mod:`rapidformer.sinks`). Other ranks report nothing."""
+TensorBoard event files under --save, and the trackers --report-to names
+(:mod:`rapidformer.trackers`). Other ranks report nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI 
     import torch
 
     from rapidformer.flops import MfuMeter
-    from rapidformer.sinks import GuardedSinks
+    from rapidformer.trackers import GuardedTrackers, TrackerSetup
 
 log = logging.getLogger("rapidformer")
 
@@ -80,24 +81,30 @@ class MetricsLogger:
         start_step: int = 0,
         extras: Callable[[], dict[str, Any]] | None = None,
         mfu: MfuMeter | None = None,
+        trackers: TrackerSetup | None = None,
     ) -> None:
         """``extras()`` adds fields to every logged line (e.g. MoE routing statistics); it is
         called on every rank at each logged step, so it may reduce over ranks. ``mfu`` turns
-        the tokens/s into achieved TFLOP/s per device and MFU."""
+        the tokens/s into achieved TFLOP/s per device and MFU. ``trackers``: where the rows go
+        beside the console (``--report-to``; default: metrics.jsonl and TensorBoard under
+        ``save_dir``)."""
         self.enabled = enabled
         self.mfu = mfu
         self.extras = extras
         self.log_interval = log_interval
         self.total_steps = total_steps
         self.device = device
-        self._sinks: GuardedSinks | None = None
+        self._trackers: GuardedTrackers | None = None
         self._bar = None
         if enabled:
             setup_console_logging()
-            if save_dir is not None:
-                from rapidformer.sinks import open_sinks
+            from rapidformer.trackers import TrackerSetup, open_trackers
+            from rapidformer.trackers.base import TrackedRun
 
-                self._sinks = open_sinks(save_dir)
+            if trackers is None:
+                run = TrackedRun(save_dir=save_dir, name="rapidformer", project=None)
+                trackers = TrackerSetup(("tensorboard", "jsonl"), run)
+            self._trackers = open_trackers(trackers)
             if sys.stderr.isatty():
                 from tqdm import tqdm
 
@@ -166,6 +173,14 @@ class MetricsLogger:
         self._reset_window()
         return window
 
+    def tracker_places(self) -> list[str]:
+        """Where each tracker reports (for the run's closing line)."""
+        return self._trackers.places() if self._trackers is not None else []
+
+    def run_ids(self) -> dict[str, str]:
+        """Each tracker's id of this run (kept in checkpoints: a resume continues it)."""
+        return self._trackers.run_ids() if self._trackers is not None else {}
+
     def _read(self, values: list[float | int | torch.Tensor]) -> list[float]:
         """Host copies of ``values`` in one device-to-host transfer (float64: token counts of
         a long window stay exact)."""
@@ -193,14 +208,14 @@ class MetricsLogger:
             self._bar.write(message)
         else:
             log.info(message)
-        if self._sinks is not None:
-            self._sinks.write(kind, record)
+        if self._trackers is not None:
+            self._trackers.write(kind, record)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._sinks is not None:
-            self._sinks.close()
+        if self._trackers is not None:
+            self._trackers.close()
 
 
 def _fmt(value: object) -> str:

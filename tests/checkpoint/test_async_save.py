@@ -96,6 +96,7 @@ def test_background_checkpoints_equal_synchronous_ones(
         for file in ("model.pt", "optimizer.pt", "lr_scheduler.pt", "rng/rank_00000.pt"):
             ours, theirs = tmp_path / "async" / name / file, tmp_path / "sync" / name / file
             assert _equal(_tensors(ours), _tensors(theirs)), (name, file)
+        assert damage(tmp_path / "async" / name) is None
     assert find_checkpoint(tmp_path / "async") == tmp_path / "async" / "iter_0000006"
 
 
@@ -188,18 +189,26 @@ def _slowed_writes(rank: int, failing_step: int | None, pause: float) -> None:
     FileSystemWriter.write_data = slow_write  # type: ignore[method-assign]
 
 
-def _slowed_steps(pause: float) -> None:
-    """Each training step takes at least ``pause`` seconds: the failing write is then over
-    within a step, and the stop request it makes is what ends the run."""
+def _step_9_waits_for_the_stop_request() -> None:
+    """Step 9 starts only once this rank's writer has asked to stop (it failed at step 8):
+    the request then rides step 9's all-reduce, and every rank stops after step 10."""
     from rapidformer.engine import RapidformerEngine
 
-    real_step = RapidformerEngine.run_step
+    requested, steps = threading.Event(), [0]
+    real_request, real_step = RapidformerEngine.request_stop, RapidformerEngine.run_step
 
-    def slow_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(pause)
+    def request_stop(self: Any) -> None:
+        requested.set()
+        real_request(self)
+
+    def run_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        steps[0] += 1
+        if steps[0] == 9:
+            assert requested.wait(120), "the failed write never asked to stop"
         return real_step(self, *args, **kwargs)
 
-    RapidformerEngine.run_step = slow_step
+    RapidformerEngine.request_stop = request_stop  # type: ignore[method-assign]
+    RapidformerEngine.run_step = run_step  # type: ignore[method-assign]
 
 
 def _two_rank_saves(out: str) -> None:
@@ -217,9 +226,11 @@ def _two_rank_saves(out: str) -> None:
     for layout, flags in LAYOUTS.items():
         for mode in ("sync", "async"):
             extra = ("--async-save",) if mode == "async" else ()
+            if (layout, mode) == ("ddp", "async"):  # the launch checks the trackers too
+                extra += ("--report-to", "jsonl,mlflow,wandb")
             _fit(Path(out) / f"{layout}-{mode}", *flags, *extra)
     _slowed_writes(rank, failing_step=8, pause=0.0)
-    _slowed_steps(0.2)
+    _step_9_waits_for_the_stop_request()
     try:
         _fit(Path(out) / "failing", "--async-save", "--train-iters", "16", "--save-interval", "4")
         said = "no error"
@@ -243,7 +254,8 @@ def _whole_state(checkpoint: Path) -> dict[str, Any]:
 @pytest.mark.distributed
 def test_background_checkpoints_on_two_ranks_equal_synchronous_ones(tmp_path: Path) -> None:
     """DDP (consolidated files) and ZeRO-3 (DCP shards, each rank's written by its thread
-    over the threads' own process group): every checkpoint's model and optimizer state
+    over the threads' own process group; the DDP run also reports to MLflow and W&B, and its
+    2 ranks write one run to each): every checkpoint's model and optimizer state
     equals the synchronous run's, tensor for tensor, and so do the losses. A write failing on
     rank 1 (step 8) is a stop request on the step guard: both ranks stop after the same step
     (before the next save, at 12), write it synchronously, and raise a CheckpointError naming
@@ -264,12 +276,20 @@ def test_background_checkpoints_on_two_ranks_equal_synchronous_ones(tmp_path: Pa
                 assert _equal(_tensors(background / name / rng), _tensors(sync / name / rng))
         shards = list((background / "iter_0000006" / "sharded").glob("*.distcp"))
         assert len(shards) == (2 if layout == "zero3" else 0)
+    # Two ranks report one run: one MLflow run, one W&B run (rank 0's).
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'ddp-async' / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert len(client.search_runs(experiments)) == 1
+    assert len(list((tmp_path / "ddp-async" / "wandb").glob("offline-run-*"))) == 1
     failing = tmp_path / "failing"
     said = [(tmp_path / f"failed_{rank}.txt").read_text() for rank in (0, 1)]
     assert "step 8 failed (OSError: [Errno 28] No space left on device)" in said[1], said
     assert "step 8 failed on another rank" in said[0], said
     stopped = max(read_losses(failing))
-    assert 8 < stopped < 12, stopped  # the stop request, not the next save, ended the run
+    assert stopped == 10, stopped  # the stop request (step 9's all-reduce), not a save
     written = sorted(p.name for p in failing.iterdir() if p.name.startswith("iter_"))
     assert written == ["iter_0000004", f"iter_{stopped:07d}"] and not list(failing.glob(".tmp-*"))
     assert (failing / "latest").read_text().strip() == written[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from rapidformer import parse_args
 from rapidformer.cli import load_trainer_class
@@ -49,11 +50,12 @@ def shell_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def tiny_trainer(*flags: str, dropout: float = 0.0) -> Trainer:
-    """The example's DemoTrainer on 64 training samples, configured by ``flags``."""
+def tiny_trainer(*flags: str, dropout: float = 0.0, **options: Any) -> Trainer:
+    """The example's DemoTrainer on 64 training samples, configured by ``flags``;
+    ``options``: the Trainer's own keyword arguments (``callbacks``, ``report_to``)."""
     cls = load_trainer_class(str(DETERMINISTIC_SCRIPT))
     trainer_class = type("Tiny", (cls,), {"dropout": dropout})
-    return trainer_class(parse_args([*TINY_FLAGS, *flags]))
+    return trainer_class(parse_args([*TINY_FLAGS, *flags]), **options)
 
 
 def read_losses(save_dir: Path, kind: str = "train") -> dict[int, float]:

@@ -21,6 +21,7 @@ layout and rank count; an engine's own format only into that engine.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -200,7 +201,9 @@ def state_files(step: int, state: TrainState, progress: dict[str, Any]) -> dict[
 
 
 def write_objects(directory: Path, files: dict[str, Any]) -> None:
-    """Each of ``files`` under ``directory``: text as it is, anything else with torch.save."""
+    """Each of ``files`` under ``directory``: text as it is, anything else with torch.save;
+    each flushed to disk by the rank that wrote it (rank 0's sync before publishing cannot
+    reach another machine's page cache)."""
     for name, content in files.items():
         path = directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,6 +211,8 @@ def write_objects(directory: Path, files: dict[str, Any]) -> None:
             path.write_text(content)
         else:
             torch.save(content, path)
+        with open(path, "rb") as stream:
+            os.fsync(stream.fileno())
 
 
 def _base_record(state: TrainState) -> dict[str, Any] | None:
@@ -321,6 +326,9 @@ def sync_directory(directory: Path) -> None:
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:  # some filesystems cannot sync a directory: nothing to wait for
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(descriptor)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from rapidformer.checkpoint import (
@@ -53,6 +53,7 @@ from rapidformer.checkpoint import (
 from rapidformer.checkpoint.directory import STAGING_PREFIX, iteration_dir, remove_debris
 from rapidformer.checkpoint.formats import SHARDED, ConsolidatedFormat, DistributedFormat
 from rapidformer.distributed import process_group
+from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
 from rapidformer.logging import log
 from rapidformer.state import TrainState
@@ -67,8 +68,13 @@ class BackgroundSaver:
     ``on_failure`` is called from the thread once every rank knows a write failed (the
     trainer passes the step guard's stop request on several ranks)."""
 
-    def __init__(self, on_failure: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, on_failure: Callable[[], None] | None = None, timeout_minutes: float | None = None
+    ) -> None:
+        """``timeout_minutes``: how long the threads wait for each other (the run's
+        ``--distributed-timeout-minutes``; torch's default without)."""
         self._on_failure = on_failure
+        self._timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._step = 0
@@ -78,6 +84,8 @@ class BackgroundSaver:
         """DCP's stager of the shards (it reuses its host memory from one save to the next)."""
         self._group: dist.ProcessGroup | None = None
         """The threads' own gloo group (several ranks)."""
+        self._broken = False
+        """Whether that group failed once (no later save can agree over it)."""
 
     def save(
         self,
@@ -95,17 +103,20 @@ class BackgroundSaver:
         if not isinstance(writer, ConsolidatedFormat | DistributedFormat):
             raise CheckpointError(f"--async-save cannot write the {writer.name} format")
         if process_group.world_size() > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # every rank, at the same save
+            # Every rank, at the same save.
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         root = Path(save_dir)
         files = state_files(step, state, progress)
         if isinstance(writer, ConsolidatedFormat):
             files = {**writer.files(state), **files}  # ZeRO-1 gathers here: every rank
-            shards = None
-        else:
-            shards = self._stage(writer.content(state))
-        snapshot = self._snapshot(files)  # with the shards' copy, all the step waits for
         trained = [name for name, p in state.unwrapped_model.named_parameters() if p.requires_grad]
-        job = _Job(root, step, snapshot, shards, trained, required_files_of(state), keep)
+        job = _Job(root, step, {}, None, trained, required_files_of(state), keep)
+        try:  # the copy: all the step waits for
+            if isinstance(writer, DistributedFormat):
+                job.shards = self._stage(writer.content(state))
+            job.files = self._snapshot(files)
+        except Exception as error:  # noqa: BLE001 (one rank out of host memory: the thread's
+            job.failure = error  # agreement tells every rank, which then stop together)
         self._step = step
         self._thread = threading.Thread(
             target=self._write, args=(job,), name=f"rapidformer-save-{step}", daemon=True
@@ -188,21 +199,42 @@ class BackgroundSaver:
             ) from failure
 
     def _agree(self, reports: list[bool]) -> list[bool]:
-        """Each report or'ed over the ranks (the threads' group; as is on one process)."""
+        """Each report or'ed over the ranks (the threads' group; as is on one process). A
+        group that fails (a peer gone, the timeout) raises :class:`_GroupLost`."""
         if self._group is None:
             return reports
+        if self._broken:
+            raise _GroupLost("an earlier background write lost the other ranks")
         flags = torch.tensor([float(r) for r in reports])
-        dist.all_reduce(flags, group=self._group)
+        try:
+            dist.all_reduce(flags, group=self._group)
+        except Exception as error:
+            self._broken = True
+            raise _GroupLost(f"the ranks' writers lost each other ({error})") from error
         return [bool(v > 0) for v in flags.tolist()]
 
     def _write(self, job: _Job) -> None:
+        try:
+            self._agreed_write(job)
+        except _GroupLost as lost:  # no agreement is possible: this rank stops on its own
+            shutil.rmtree(job.root / f"{STAGING_PREFIX}{iteration_dir(job.step)}", True)
+            self._failed(job, CheckpointError(f"the background write of step {job.step} "
+                                              f"failed: {lost}; it was not published"))  # fmt: skip
+
+    def _failed(self, job: _Job, failure: BaseException) -> None:
+        self._failure = failure
+        log.warning("the background write of step %d failed: %s", job.step, failure)
+        if self._on_failure is not None:
+            self._on_failure()
+
+    def _agreed_write(self, job: _Job) -> None:
         rank = process_group.rank()
         staging = job.root / f"{STAGING_PREFIX}{iteration_dir(job.step)}"
-        failure: BaseException | None = None
+        failure: BaseException | None = job.failure
         non_finite = False
         try:
-            non_finite = not job.finite()  # off the training thread: the copy, not the live ones
-            if rank == 0 and not non_finite:
+            non_finite = failure is None and not job.finite()  # the copy, off the step
+            if rank == 0 and not non_finite and failure is None:
                 job.root.mkdir(parents=True, exist_ok=True)
                 remove_debris(job.root)  # nothing of this run is in flight: wait() came first
                 staging.mkdir()
@@ -213,7 +245,8 @@ class BackgroundSaver:
         if not any(reports):
             try:
                 if job.shards is not None:  # DCP plans and finishes over the threads' group
-                    dcp.save(job.shards, checkpoint_id=staging / SHARDED, process_group=self._group)
+                    dcp.save(job.shards, checkpoint_id=staging / SHARDED,
+                             process_group=self._group, no_dist=self._group is None)  # fmt: skip
                 write_objects(staging, job.files)
             except BaseException as error:  # noqa: BLE001
                 failure = error
@@ -237,10 +270,7 @@ class BackgroundSaver:
                 "rank (its message says why); it was not published, and the previous checkpoint "
                 "and 'latest' are untouched"
             )
-        self._failure = failure
-        log.warning("the background write of step %d failed: %s", job.step, failure)
-        if self._on_failure is not None:
-            self._on_failure()
+        self._failed(job, failure)
 
 
 class _Job:
@@ -258,6 +288,8 @@ class _Job:
     ) -> None:
         self.root, self.step, self.files, self.shards = root, step, files, shards
         self.trained, self.required, self.keep = trained, required, keep
+        self.failure: BaseException | None = None
+        """What went wrong on this rank before the thread started (its copy)."""
 
     def finite(self) -> bool:
         """Whether this rank's copy of the trained parameters is finite (the synchronous
@@ -268,5 +300,9 @@ class _Job:
         if model is None:
             return True
         held = [model[name] for name in self.trained if name in model]
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in held]
+        local = [local_part(t) for t in held]
         return all(bool(torch.isfinite(t).all()) for t in local if t.numel())
+
+
+class _GroupLost(RuntimeError):
+    """The writers' process group failed: the ranks can no longer agree."""

@@ -86,14 +86,6 @@ def _take(root: Path) -> SaveDirectoryLock:
             f"--save {root} cannot be written ({error.strerror or error}). Fix: {fix}, on a "
             "disk where this user may write"
         ) from None
-    free = shutil.disk_usage(root).free
-    if free < FULL_BELOW:  # no checkpoint could be written: say so before training for nothing
-        handle.close()
-        raise CheckpointError(
-            f"--save {root}: its disk is full ({free // 1024} KiB free), so no checkpoint or "
-            f"metric of this run could be written. Fix: free space there, or {fix} on another "
-            "disk"
-        )
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -111,7 +103,14 @@ def _take(root: Path) -> SaveDirectoryLock:
             root,
             error.strerror or error,
         )
+        _refuse_full(root, fix)
         return SaveDirectoryLock(root, None)
+    try:  # a held directory is said first: its holder, not the disk, is what to fix
+        _refuse_full(root, fix)
+    except CheckpointError:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+        raise
     try:
         handle.seek(0)
         handle.truncate()
@@ -128,6 +127,17 @@ def _take(root: Path) -> SaveDirectoryLock:
             f"there, or {fix}"
         ) from None
     return SaveDirectoryLock(root, handle)
+
+
+def _refuse_full(root: Path, fix: str) -> None:
+    """No checkpoint could be written on a full disk: say so before training for nothing."""
+    free = shutil.disk_usage(root).free
+    if free < FULL_BELOW:
+        raise CheckpointError(
+            f"--save {root}: its disk is full ({free // 1024} KiB free), so no checkpoint or "
+            f"metric of this run could be written. Fix: free space there, or {fix} on another "
+            "disk"
+        )
 
 
 def _holder(handle: IO[str]) -> str:

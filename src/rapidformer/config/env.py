@@ -50,7 +50,7 @@ class LaunchEnv:
 def launch_violations(env: LaunchEnv) -> list[Violation]:
     """A WORLD_SIZE of several without the rest of a launcher's variables: this process could
     only wait out the timeout for peers nobody started, so it is refused before it waits."""
-    if env.world_size == 1:
+    if env.world_size == 1 or _joined():
         return []
     missing = [name for name in RENDEZVOUS if name not in os.environ]
     fix = (
@@ -67,6 +67,14 @@ def launch_violations(env: LaunchEnv) -> list[Violation]:
         rule = f"RANK={env.rank} is not one of the {env.world_size} ranks 0..{env.world_size - 1}"
         return [Violation("WORLD_SIZE", env.world_size, rule, fix)]
     return []
+
+
+def _joined() -> bool:
+    """Whether the process joined its group itself (``init_method="tcp://..."``): then it
+    found the others without these variables."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _local_world_size(world_size: int) -> int | None:

@@ -418,6 +418,21 @@ class LoggingConfig:
     """Show what third-party libraries print on their own (transformers' load reports and
     progress bars, DeepSpeed's and torchao's notices); by default a run prints its plan and its
     progress."""
+    report_to: str = "tensorboard,jsonl"
+    """Where rank 0 reports every logged row, the evaluation metrics, the resolved config and
+    the run plan: a comma list of tensorboard, jsonl, mlflow, wandb and trackio, or all, or
+    none (Hugging Face's spelling). TensorBoard and jsonl write under --save; mlflow, wandb
+    and trackio need rapidformer[trackers] (docs/trackers.md)."""
+    run_name: str | None = None
+    """The run's name in MLflow, W&B and Trackio (default: WANDB_NAME for W&B, else the name of
+    the --save directory)."""
+    tracker_project: str | None = None
+    """The MLflow experiment, W&B project and Trackio project the run goes to (default:
+    MLFLOW_EXPERIMENT_NAME or WANDB_PROJECT where set, else rapidformer)."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow records the run (a server's URL or a database URI; default: MLFLOW_TRACKING_URI
+    where set, else a SQLite database under --save, SAVE/mlflow.db, with artifacts in
+    SAVE/mlflow-artifacts)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,7 @@ def init_process_group(
             timeout=timeout,
             store=_attempt_store(env, timeout),
         )
-    except dist.DistStoreError as exc:  # the peers never came: say so, not the store's words
+    except dist.DistError as exc:  # the peers never came (or the store): say so plainly
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise ConfigError.single(
             "WORLD_SIZE",

@@ -301,6 +301,12 @@ class RapidformerEngine:
         after a run of skips) and at the end of a run."""
         self.guard.judge_pending()
 
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the same step, as a stop signal does (callable from
+        any thread: a failed background checkpoint write does). ``StepResult.stop_requested``
+        then says so on every rank."""
+        self.guard.request_stop()
+
     @property
     def stop_signal(self) -> str | None:
         """The stop signal this rank received, if any (another rank's arrives through

@@ -168,10 +168,14 @@ class Finetuner(Trainer):
         return violations
 
     def __init__(
-        self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
+        self,
+        config: RapidformerConfig | None = None,
+        argv: Sequence[str] | None = None,
+        **reporting: Any,
     ) -> None:
+        """``reporting``: the Trainer's ``report_to`` and ``callbacks``."""
         given = config if config is not None else parse_args(argv)
-        super().__init__(given)
+        super().__init__(given, **reporting)
         task = self.task_name or self.config.training.task
         assert task is not None
         self.task_key = canonical_task(task)

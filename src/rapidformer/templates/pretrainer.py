@@ -126,9 +126,13 @@ class Pretrainer(Trainer):
         return violations
 
     def __init__(
-        self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
+        self,
+        config: RapidformerConfig | None = None,
+        argv: Sequence[str] | None = None,
+        **reporting: Any,
     ) -> None:
-        super().__init__(config, argv)
+        """``reporting``: the Trainer's ``report_to`` and ``callbacks``."""
+        super().__init__(config, argv, **reporting)
         data = self.config.data
         assert data.tokenizer_type is not None and data.vocab_file is not None
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)

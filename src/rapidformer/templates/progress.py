@@ -9,7 +9,7 @@ micro-batch size.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rapidformer.data.samplers import ResumableDistributedSampler
@@ -25,6 +25,8 @@ class Progress:
     epoch: int = 0
     consumed: int = 0
     """Micro-batches this rank has read in the current epoch."""
+    trackers: dict[str, str] = field(default_factory=dict)
+    """Each tracker's id of this run (MLflow, W&B, Trackio): a resume continues those runs."""
 
 
 def consumed_here(saved: dict[str, Any], micro: int, dp: int, grouped: bool = False) -> int:

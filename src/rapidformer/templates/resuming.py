@@ -54,7 +54,11 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
         log.info("resumed from %s at step %d", path, saved["step"])
     grouped = config.data.data_iterator == "dynamic-shape"
     consumed = consumed_here(saved, config.data.micro_batch_size, dp, grouped)
-    return Progress(step=saved["step"], epoch=saved["epoch"], consumed=consumed)
+    # The run's own trackers continue where the checkpoint is its own (--save); a run started
+    # from another run's checkpoint (--load) is a run of its own there too.
+    own = resumable is not None and isinstance(saved.get("trackers"), dict)
+    trackers = {str(k): str(v) for k, v in saved["trackers"].items()} if own else {}
+    return Progress(saved["step"], saved["epoch"], consumed, trackers)
 
 
 def _start_from(source: str, state: TrainState, config: RapidformerConfig, main: bool) -> None:

@@ -28,7 +28,8 @@ class RunSaves:
         self.alone = process_group.world_size() == 1
         self.background: BackgroundSaver | None = None
         if self.checkpoint.async_save:
-            self.background = BackgroundSaver(None if self.alone else request_stop)
+            timeout = config.parallel.distributed_timeout_minutes
+            self.background = BackgroundSaver(None if self.alone else request_stop, timeout)
 
     def due(self, step: int, final: bool) -> bool:
         """Whether ``step`` saves (``final``: the last step, or a stop signal's)."""

@@ -19,7 +19,6 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +51,7 @@ from rapidformer.templates.batches import (
 from rapidformer.templates.evaluation import evaluation_pass
 from rapidformer.templates.progress import Progress, step_batches
 from rapidformer.templates.resuming import resume
+from rapidformer.templates.run_logging import open_logger, say_saved
 from rapidformer.templates.run_saves import RunSaves, due
 from rapidformer.templates.step_checks import check_first_output
 
@@ -62,11 +62,24 @@ class Trainer(ABC):
     """Abstract training template; see the module docstring."""
 
     def __init__(
-        self, config: RapidformerConfig | None = None, argv: Sequence[str] | None = None
+        self,
+        config: RapidformerConfig | None = None,
+        argv: Sequence[str] | None = None,
+        *,
+        report_to: str | Sequence[str] | None = None,
+        callbacks: Sequence[Callable[[str, dict[str, Any]], None]] = (),
     ) -> None:
+        """``report_to``: the trackers (``--report-to``'s names, as a list or its comma text),
+        in place of the config's. ``callbacks``: functions called with every logged row,
+        ``callback(kind, record)`` on rank 0 (``kind`` is train or eval; the record's names
+        are metrics.jsonl's), for a tracker rapidformer does not ship."""
         report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
         _check_step_hooks(type(self))
         parsed = config if config is not None else parse_args(argv)
+        if report_to is not None:
+            names = report_to if isinstance(report_to, str) else ",".join(report_to)
+            parsed = parsed.replace(report_to=names)
+        self._callbacks = tuple(callbacks)
         set_debug(parsed.logging.debug)
         self.config = type(self).config_defaults(parsed)
         # A subclass that builds its own optimizer does not need --lr.
@@ -217,15 +230,8 @@ class Trainer(ABC):
             self._compiled_loss = None if compiled is loss else compiled
         progress = self._resume(state)
         engine.resume_at(progress.step)
-        logger = MetricsLogger(
-            enabled=engine.is_main_process,
-            log_interval=cfg.logging.log_interval,
-            total_steps=total_steps,
-            save_dir=cfg.checkpoint.save,
-            device=self.device,
-            start_step=progress.step,
-            extras=self.extra_log_metrics,
-            mfu=engine.mfu,
+        logger = open_logger(
+            cfg, engine, state, progress, total_steps, self.extra_log_metrics, self._callbacks
         )
         if cfg.checkpoint.save is None and engine.is_main_process:
             log.warning(
@@ -233,7 +239,7 @@ class Trainer(ABC):
                 "checkpoint; pass --save DIR to survive preemption"
             )
         signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
-        saves = RunSaves(cfg, engine.guard.request_stop)
+        saves = RunSaves(cfg, engine.request_stop)
         try:
             with signals, contextlib.closing(logger):
                 metrics = self._loop(state, progress, logger, total_steps, saves)
@@ -292,15 +298,7 @@ class Trainer(ABC):
                     "Rerun the same command to resume from it"
                 )
         engine.judge_skipped_steps()  # the steps since the last --log-interval
-        save = cfg.checkpoint.save
-        if path is not None and save and engine.is_main_process:
-            log.info(
-                "saved: checkpoint %s (the same command resumes from it), metrics %s, "
-                "TensorBoard events %s",
-                path,
-                Path(save) / "metrics.jsonl",
-                Path(save) / "tensorboard",
-            )
+        say_saved(cfg, path, logger)
         if result is None:
             return metrics
         return {"train_loss": result.loss, **evaluation}
