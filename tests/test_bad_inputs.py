@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from tests.helpers.bad_inputs import (
     build_inputs,
     user_script,
 )
-from tests.helpers.trainers import LAUNCHER_VARIABLES
+from tests.helpers.trainers import LAUNCHER_VARIABLES, shell_env
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +107,29 @@ def test_world_size_without_a_launcher_is_refused_at_once(
     assert "WORLD_SIZE=2: this process is one of 2, but RANK, MASTER_ADDR, MASTER_PORT" in error
     assert "torchrun --nproc-per-node 2" in error
     assert not (tmp_path / "save").exists()
+    # A group this process joined itself counts (init_method="tcp://..."); one of another size
+    # (a group of one an earlier engine left) does not.
+    import torch.distributed as dist
+
+    from rapidformer.config.env import LaunchEnv, launch_violations
+
+    for size, refused in ((1, True), (2, False)):  # missing variables, or a group of 1
+        with monkeypatch.context() as patch:
+            patch.setattr(dist, "is_initialized", lambda: True)
+            patch.setattr(dist, "get_world_size", lambda *_: size)  # noqa: B023 (used at once)
+            assert bool(launch_violations(LaunchEnv.read())) == refused, size
+    # With the rendezvous variables but no other rank: in a new process (an earlier test may
+    # have left this one in a group of one).
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    env = shell_env(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    command = [sys.executable, "-m", "rapidformer", *argv, "--distributed-timeout-minutes", "0.05"]
     started = time.monotonic()
-    code, error = _said([*argv, "--distributed-timeout-minutes", "0.05"], capsys)
-    assert code == 2 and time.monotonic() - started < 60
-    assert f"rank 0 waited for the other ranks at 127.0.0.1:{port}" in error
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and time.monotonic() - started < 60, done.stderr[-2000:]
+    assert f"rank 0 waited for the other ranks at 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_save_directory_that_cannot_be_written_is_named(

@@ -3,12 +3,15 @@ it reads or writes anything there, and the first run ends exactly as it does alo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -167,3 +170,33 @@ def test_twenty_trials_of_two_runs_on_one_directory(tmp_path: Path) -> None:
         if read_losses(shared) != alone[winners[0]]:
             problems.append(f"trial {trial}: the run that kept {shared} differs from alone")
     assert not problems, "\n\n".join(problems)
+
+
+def test_a_refused_run_names_the_live_holder_not_an_earlier_one(tmp_path: Path) -> None:
+    """The lock file still names a run that has ended (its pid is gone) while the new holder,
+    which took the lock, has not rewritten it yet: the refused run waits for the new name."""
+    save = tmp_path / "run"
+    save.mkdir()
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    earlier = {"host": socket.gethostname(), "pid": int(ended.stdout), "started": "earlier"}
+    (save / LOCK_FILE).write_text(json.dumps(earlier))
+    handle = open(save / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (the new holder)
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def write_its_name() -> None:
+        time.sleep(0.3)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({**earlier, "pid": os.getpid(), "started": "now"}))
+        handle.flush()
+
+    writer = threading.Thread(target=write_its_name)
+    writer.start()
+    try:
+        with pytest.raises(CheckpointError, match=f"in use by another run \\(pid {os.getpid()} "):
+            lock_save_directory(str(save), torch.device("cpu"))
+    finally:
+        writer.join()
+        handle.close()

@@ -8,6 +8,7 @@ fine-tuning files, user scripts and a checkpoint, built once per test module by
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Callable
@@ -335,6 +336,37 @@ def _missing_checkpoint_file(inputs: Inputs) -> list[str]:
     shutil.copytree(inputs.checkpoint, damaged, dirs_exist_ok=True)
     (damaged / "iter_0000002" / "optimizer.pt").unlink()
     return [*WHITE_BOX, "--load", str(damaged / "iter_0000002")]
+
+
+def _manifest_wrong_type(inputs: Inputs) -> list[str]:
+    """A manifest whose entry is a number, not {size, sha256}."""
+    damaged = inputs.root / "ckpt_manifest"
+    shutil.copytree(inputs.checkpoint, damaged, dirs_exist_ok=True)
+    (damaged / "iter_0000002" / "manifest.json").write_text('{"files": {"model.pt": 5}}')
+    return [*WHITE_BOX, "--load", str(damaged / "iter_0000002")]
+
+
+class _Payload:
+    """Unpickling it would run a command (a harmless one: the scan must refuse it first)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, ("true",)
+
+
+def _pickled_extra_weights(inputs: Inputs) -> list[str]:
+    """A Hugging Face directory of .bin weights whose index names a shard called otherwise
+    than pytorch_model*.bin, holding a payload (transformers would read it)."""
+    import torch
+
+    model = inputs.root / "bert_pickled"
+    shutil.copytree(inputs.bert, model, dirs_exist_ok=True)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    torch.save({"w": torch.zeros(2)}, model / "pytorch_model-00001-of-00002.bin")
+    torch.save({"v": _Payload()}, model / "weights-00002.data")
+    index = {"weight_map": {"w": "pytorch_model-00001-of-00002.bin", "v": "weights-00002.data"}}
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    return _finetune(inputs, inputs.finetune, "--pretrained-model-name-or-path", str(model))
 
 
 CASES = [
@@ -737,6 +769,16 @@ CASES = [
         ("iter_0000002", "--task None there, 'sequence_classification' now"),
     ),
     Case("checkpoint-missing-file", _missing_checkpoint_file, ("optimizer.pt", "missing")),
+    Case(
+        "checkpoint-manifest-wrong-type",
+        _manifest_wrong_type,
+        ("manifest.json is unreadable", "Fix:"),
+    ),
+    Case(
+        "hugging-face-shard-pickled",
+        _pickled_extra_weights,
+        ("weights-00002.data", "posix.system", "--trust-checkpoint"),
+    ),
     Case(
         "checkpoint-none-there",
         lambda i: [*WHITE_BOX, "--load", str(i.root)],

@@ -143,14 +143,30 @@ def _refuse_full(root: Path, fix: str) -> None:
 def _holder(handle: IO[str]) -> str:
     """Who holds the lock, as its file says. The holder writes its name just after it takes
     the lock, so a run started at the same moment waits up to a second to read it whole
-    (seen in 5 of 10 simultaneous starts)."""
+    (seen in 5 of 10 simultaneous starts), and for the file to stop naming an earlier
+    holder that is gone (a process of this host that no longer exists)."""
     deadline = time.monotonic() + 1.0
     while True:
         handle.seek(0)
         try:
             record = json.loads(handle.read())
-            return f"pid {record['pid']} on {record['host']}, started {record['started']}"
+            said = f"pid {record['pid']} on {record['host']}, started {record['started']}"
+            if _alive(record) or time.monotonic() > deadline:
+                return said
         except (ValueError, KeyError, TypeError):
             if time.monotonic() > deadline:
                 return "its holder has not written its name yet"
-            time.sleep(0.01)
+        time.sleep(0.01)
+
+
+def _alive(record: dict[str, object]) -> bool:
+    """Whether the process a lock record names may still run (always, on another host)."""
+    if record.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(str(record["pid"])), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return True  # another user's process, or a pid we cannot read: assume it runs
+    return True

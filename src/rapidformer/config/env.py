@@ -50,7 +50,8 @@ class LaunchEnv:
 def launch_violations(env: LaunchEnv) -> list[Violation]:
     """A WORLD_SIZE of several without the rest of a launcher's variables: this process could
     only wait out the timeout for peers nobody started, so it is refused before it waits."""
-    if env.world_size == 1 or _joined():
+    joined = _joined_size()
+    if env.world_size == 1 or joined == env.world_size:
         return []
     missing = [name for name in RENDEZVOUS if name not in os.environ]
     fix = (
@@ -63,18 +64,23 @@ def launch_violations(env: LaunchEnv) -> list[Violation]:
             f"{'is' if len(missing) == 1 else 'are'} not set, so it cannot find the others"
         )
         return [Violation("WORLD_SIZE", env.world_size, rule, fix)]
+    if joined is not None:  # a group an earlier run in this process left (e.g. one of 1)
+        rule = f"this process already belongs to a process group of {joined}, not {env.world_size}"
+        return [Violation("WORLD_SIZE", env.world_size, rule, "start the job in a new process")]
     if not 0 <= env.rank < env.world_size:
         rule = f"RANK={env.rank} is not one of the {env.world_size} ranks 0..{env.world_size - 1}"
         return [Violation("WORLD_SIZE", env.world_size, rule, fix)]
     return []
 
 
-def _joined() -> bool:
-    """Whether the process joined its group itself (``init_method="tcp://..."``): then it
-    found the others without these variables."""
+def _joined_size() -> int | None:
+    """The size of the process group this process already belongs to (None: none). One it
+    joined itself (``init_method="tcp://..."``) found the others without these variables."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
 
 
 def _local_world_size(world_size: int) -> int | None:
