@@ -225,3 +225,13 @@ def test_report_to_is_checked_before_anything_is_built(
     no_save = RapidformerConfig.from_dict({"lr": 1e-3, "train_iters": 2, "report_to": "mlflow"})
     with pytest.raises(ConfigError, match="pass --save DIR, or --mlflow-tracking-uri URI"):
         validate(no_save, 1)
+    # A tracker's setting without its tracker would do nothing: refused, naming the flag.
+    base = {"lr": 1e-3, "train_iters": 2, "save": "run"}
+    for setting, flag in (
+        ({"mlflow_tracking_uri": "sqlite:///x.db", "report_to": "wandb"}, "--mlflow-tracking-uri"),
+        ({"run_name": "baseline"}, "--run-name"),
+        ({"tracker_project": "p", "report_to": "tensorboard"}, "--tracker-project"),
+    ):
+        with pytest.raises(ConfigError, match=f"{flag}=.*no tracker of --report-to"):
+            validate(RapidformerConfig.from_dict({**base, **setting}), 1)
+    validate(RapidformerConfig.from_dict({**base, "run_name": "b", "report_to": "trackio"}), 1)

@@ -274,6 +274,22 @@ def _report_to(config: RapidformerConfig, context: RunContext) -> Iterator[Viola
             "MLflow records the run in a database under --save by default, and there is none",
             "pass --save DIR, or --mlflow-tracking-uri URI",
         )
+    # A tracker's setting with none of its trackers chosen would do nothing: said, not ignored.
+    named = ("mlflow", "wandb", "trackio")
+    settings = (
+        ("--mlflow-tracking-uri", logging.mlflow_tracking_uri, ("mlflow",)),
+        ("--run-name", logging.run_name, named),
+        ("--tracker-project", logging.tracker_project, named),
+    )
+    for flag, given, users in settings:
+        if given is not None and not set(users) & set(chosen):
+            yield Violation(
+                flag,
+                given,
+                f"no tracker of --report-to={value!r} reads it (it names the run in "
+                f"{', '.join(users)})",
+                f"add {' or '.join(users)} to --report-to, or drop {flag}",
+            )
 
 
 def _finite_numbers(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
