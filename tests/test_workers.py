@@ -59,6 +59,34 @@ def test_workers_killed_by_a_signal_are_named(tmp_path: Path) -> None:
     assert "was killed by SIG" in killed.stderr and "Traceback" not in killed.stderr
 
 
+LATE_FIRST_RANK = """
+import os, time
+from rapidformer.errors import ConfigError
+if os.environ["LOCAL_RANK"] == "0":
+    time.sleep(3)  # the first rank finds the error last
+raise ConfigError.single("--seed", 7, "is refused by this script", "use another seed")
+"""
+
+
+@pytest.mark.distributed
+def test_a_configuration_error_is_said_when_the_silent_rank_finds_it_first(
+    tmp_path: Path,
+) -> None:
+    """Only the first rank says a configuration error; the others wait until it has, or the
+    agent, seeing a silent rank exit first, stops the first one before it speaks (the CI saw
+    exit 2 and no message)."""
+    script = tmp_path / "late_first_rank.py"
+    script.write_text(LATE_FIRST_RANK)
+    command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2"]
+    ended = subprocess.run(
+        [*command, "--user-script", str(script)],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert ended.returncode == 2, ended.stderr[-3000:]
+    assert ended.stderr.count("rapidformer: error: invalid rapidformer configuration") == 1
+    assert "--seed=7: is refused by this script" in ended.stderr, ended.stderr[-3000:]
+
+
 def test_a_dry_run_plans_the_ranks_of_nproc_per_node(capsys: pytest.CaptureFixture[str]) -> None:
     flags = [
         *("--task", "pretraining", "--num-layers", "2", "--hidden-size", "64"),

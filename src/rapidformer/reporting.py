@@ -25,8 +25,12 @@ import sysconfig
 import traceback
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from rapidformer.errors import ConfigError, Preempted, RapidformerError, exit_code_of
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 _PACKAGE = Path(__file__).resolve().parent
 _installed: list[bool] = [False]
@@ -52,7 +56,15 @@ def report(exc: BaseException, debug: bool) -> int:
         # The ranks of one machine find the same one (the same flags, files and devices):
         # its first rank says it. Another machine's first rank still does, so a file
         # missing on one machine only is never silent.
+        _wait_until_said()
         return exit_code_of(exc)
+    code = _say(exc, rank, debug)
+    if local_rank == 0:
+        _tell_said()
+    return code
+
+
+def _say(exc: BaseException, rank: int, debug: bool) -> int:
     name = "rapidformer" if rank == 0 else f"rapidformer (rank {rank})"
     if isinstance(exc, Preempted):
         print(f"{name}: {exc}", file=sys.stderr)
@@ -68,6 +80,53 @@ def report(exc: BaseException, debug: bool) -> int:
             file=sys.stderr,
         )
     return exit_code_of(exc)
+
+
+SAID_WAIT_S = 30
+"""How long a silent rank waits for its machine's first rank to say the error."""
+
+
+def _said_key() -> tuple[Store, str] | None:
+    """(torchrun's agent store, this machine's key in it): where the first rank of a machine
+    records that it has spoken; None outside torchrun or where the store cannot be reached."""
+    import datetime
+
+    from rapidformer.config.env import LaunchEnv
+    from rapidformer.distributed.process_group import attempt_store
+
+    try:
+        store = attempt_store(LaunchEnv.read(), datetime.timedelta(seconds=SAID_WAIT_S))
+    except Exception:  # noqa: BLE001 (this runs while reporting another error)
+        return None
+    if store is None:
+        return None
+    return store, f"said/{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _wait_until_said() -> None:
+    """A silent rank leaves only once its machine's first rank said the error: torchrun's
+    agent stops every worker when the first one exits, and a silent rank that exited first
+    had the speaking one killed mid-sentence (seen: exit 2 and no message)."""
+    found = _said_key()
+    if found is None:
+        return
+    store, key = found
+    try:
+        store.wait([key])
+    except Exception:  # noqa: BLE001 (the first rank died or hangs: leave all the same)
+        return
+
+
+def _tell_said() -> None:
+    """The first rank of a machine has said the error (see :func:`_wait_until_said`)."""
+    found = _said_key()
+    if found is None:
+        return
+    store, key = found
+    try:
+        store.set(key, "1")
+    except Exception:  # noqa: BLE001 (nobody may be waiting: the message is out)
+        return
 
 
 def _origin(exc: BaseException) -> str:

@@ -49,7 +49,7 @@ def init_process_group(
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
-            store=_attempt_store(env, timeout),
+            store=attempt_store(env, timeout),
         )
     except dist.DistError as exc:  # the peers never came (or the store): say so plainly
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -64,7 +64,7 @@ def init_process_group(
     return True
 
 
-def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta | None) -> dist.Store | None:
+def attempt_store(env: LaunchEnv, timeout: datetime.timedelta | None) -> dist.Store | None:
     """Under torchrun, a view of the agent's store private to this attempt. The agent keeps
     one store across restarts; the keys an attempt's device-mesh groups left there made the
     next attempt's gloo connect to the dead workers' addresses (seen with torch 2.13:
