@@ -203,7 +203,8 @@ def test_packing_composes_with_the_fused_loss_and_recompute(
     chat: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     """The fused LM loss reads the packed labels (each sample's first token ignored) and
-    recomputation replays the masked attention: the same losses as the plain packed run."""
+    recomputation replays the masked attention: the same losses as the plain packed run.
+    Adapters start from the plain run's first loss (B = 0) and learn."""
     model_dir, _, data = chat
     flags = [
         *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
@@ -213,10 +214,13 @@ def test_packing_composes_with_the_fused_loss_and_recompute(
     ]
     runs = {"plain": [], "fused": ["--fused-lm-loss"],
             "full": ["--recompute-granularity", "full"],
-            "selective": ["--recompute-granularity", "selective"]}  # fmt: skip
+            "selective": ["--recompute-granularity", "selective"],
+            "lora": ["--lora-rank", "8"]}  # fmt: skip
     losses = {}
     for name, extra in runs.items():
         assert main([*flags, *extra, "--save", str(tmp_path / name)]) == 0
         losses[name] = read_losses(tmp_path / name)
     for name in ("fused", "full", "selective"):
         assert max(abs(losses[name][s] - losses["plain"][s]) for s in range(1, 5)) <= 1e-5
+    assert abs(losses["lora"][1] - losses["plain"][1]) <= 1e-5
+    assert losses["lora"][4] < losses["lora"][1]
