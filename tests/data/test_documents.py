@@ -5,6 +5,7 @@ the collate function's parts are Megatron's, and the flags are refused where the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,6 @@ def test_each_document_of_a_sample_learns_as_it_would_alone() -> None:
     ("options", "family", "refusal"),
     [
         ({"reset_attention_mask": True}, "bert", "built-in GPT's pretraining (this run: bert)"),
-        ({"eod_mask_loss": True, "pipeline_model_parallel_size": 2}, "gpt", "pipeline stages"),
         (
             {
                 "reset_position_ids": True,
@@ -113,27 +113,41 @@ def test_a_pretraining_run_with_the_document_flags_learns(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_document_flags_on_two_tensor_parallel_ranks_match_one_process(
+def test_the_document_flags_on_two_tensor_or_pipeline_parallel_ranks_match_one_process(
     tmp_path: Path,
 ) -> None:
-    """The built-in tp_plan splits the heads over 2 ranks; each reads the whole document mask:
-    the losses of one process, within 1e-5 (other reductions)."""
+    """The built-in tp_plan splits the heads over 2 ranks, each reading the whole document
+    mask; 2 pipeline stages each read the mask too (the schedule gives every stage the keyword
+    inputs). Training and evaluation losses: those of one process, within 1e-5 (other
+    reductions)."""
     data = build_pretraining_data(tmp_path / "gpt", "GPT2BPETokenizer", synthetic_documents(80))
     flags = [
         *("--task", "pretraining", *data.flags(), "--num-layers", "2", "--hidden-size", "32"),
         *("--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2"),
         *("--global-batch-size", "4", "--lr", "5e-3", "--train-iters", "6"),
-        *("--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0"),
-        *("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"),
+        *("--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1"),
+        *("--hidden-dropout", "0", "--reset-position-ids", "--reset-attention-mask"),
+        "--eod-mask-loss",
     ]  # no dropout: its masks are drawn per rank
     assert main([*flags, "--save", str(tmp_path / "one")]) == 0
-    command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
-               "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2")]  # fmt: skip
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env=shell_env(OMP_NUM_THREADS="1")
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    one, tp2 = read_losses(tmp_path / "one"), read_losses(tmp_path / "tp2")
-    gap = max(abs(one[step] - tp2[step]) for step in one)
-    print("tp2 largest loss gap to one process:", gap)
-    assert tp2.keys() == one.keys() == set(range(1, 7)) and gap <= 1e-5, (one, tp2)
+    one = _losses(tmp_path / "one")
+    for name, layout in (("tp2", "--tensor-model-parallel-size"),
+                         ("pp2", "--pipeline-model-parallel-size")):  # fmt: skip
+        command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
+                   layout, "2", "--save", str(tmp_path / name)]  # fmt: skip
+        run = subprocess.run(
+            command, capture_output=True, text=True, timeout=600,
+            env=shell_env(OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = _losses(tmp_path / name)
+        assert got.keys() == one.keys() and len(one) == 8, (one, got)  # 6 train, 2 eval
+        gap = max(abs(one[key] - got[key]) for key in one)
+        print(f"{name}: largest loss gap to one process: {gap:.2e}")
+        assert gap <= 1e-5, (one, got)
+
+
+def _losses(save: Path) -> dict[tuple[str, int], float]:
+    """Every train and eval loss of a run, by (kind, step)."""
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return {(r["kind"], r["step"]): r.get("loss", r.get("eval_loss")) for r in rows}

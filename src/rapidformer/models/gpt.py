@@ -164,6 +164,8 @@ class GPTModel(StagedModel):
         ``position_ids`` ``[B, T]`` (``--reset-position-ids``) replace ``0..T-1``;
         ``document_mask`` ``[B, 1, T, T]`` (``--reset-attention-mask``, True = may attend)
         replaces the causal mask: each token sees only the earlier tokens of its document.
+        Under a pipeline split every stage is given both (the later stages ignore the
+        positions) with the previous stage's hidden states in place of ``input_ids``.
         """
         del attention_mask  # right padding only: see the docstring
         x = input_ids

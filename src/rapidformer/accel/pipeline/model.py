@@ -43,12 +43,16 @@ class PipelinedModel(nn.Module):
         self.stage_ids = layout.held(pp_rank)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The stages in order; each later stage takes the previous one's outputs and the
+        keyword inputs but ``input_ids`` (as the schedule gives them: ``stage_inputs``)."""
         layout, x = self.layout, None
         parts = dict(zip(self.stage_ids, self.parts, strict=True))
+        later = {key: value for key, value in kwargs.items() if key != "input_ids"}
         for stage in range(layout.num_stages):
             owner = layout.owner(stage)
             if stage in parts:
-                x = parts[stage](*args, **kwargs) if stage == 0 else parts[stage](*_tuple(x))
+                part = parts[stage]
+                x = part(*args, **kwargs) if stage == 0 else part(*_tuple(x), **later)
             last = stage == layout.num_stages - 1
             if last or layout.owner(stage + 1) != owner:
                 x = _broadcast(

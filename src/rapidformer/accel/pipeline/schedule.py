@@ -140,9 +140,7 @@ class PipelineForwardBackward:
                 "split step: override model_inputs(batch) and compute_loss(outputs, batch) "
                 "instead of train_step(batch)"
             )
-        inputs = [step.model_inputs(batch) for batch in batches]
-        args = [() if isinstance(i, Mapping) else tuple(i) for i in inputs]
-        kwargs = [dict(i) if isinstance(i, Mapping) else {} for i in inputs]
+        args, kwargs = zip(*(stage_inputs(step.model_inputs(b)) for b in batches), strict=True)
         losses = torch.zeros(len(batches), device=self.device)
         self._step = (batches, step, scales, losses)
         self._scaler = state.precision.grad_scaler
@@ -236,6 +234,19 @@ class PipelineForwardBackward:
 
     def close(self) -> None:
         self._schedules.clear()
+
+
+def stage_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``model_inputs(batch)`` as the stages take it: (positional, keyword). torch's schedule
+    gives the positional inputs to the first stage only (the later ones take the previous
+    stage's outputs in their place) and the keyword inputs to every stage, so a mapping's
+    ``input_ids`` becomes the first stage's positional input and the rest (a document mask
+    every stage's attention reads) reaches every stage."""
+    if not isinstance(inputs, Mapping):
+        return tuple(inputs), {}
+    rest = dict(inputs)
+    first = rest.pop("input_ids", None)
+    return ((first,) if first is not None else ()), rest
 
 
 def _schedulable(run: list[int], schedule: str, pp: int) -> list[list[int]]:

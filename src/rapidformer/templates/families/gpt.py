@@ -28,8 +28,8 @@ DOCUMENT_FLAGS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
 def document_violations(config: RapidformerConfig, family: str = "gpt") -> list[Violation]:
-    """The document flags are the built-in GPT's, on one pipeline stage, without sequence
-    parallelism (the positions and the mask cover the whole sequence)."""
+    """The document flags are the built-in GPT's, without sequence parallelism (the
+    positions and the mask cover the whole sequence; pipeline stages pass the mask on)."""
     given = [f"--{name.replace('_', '-')}" for name in DOCUMENT_FLAGS
              if getattr(config.data, name)]  # fmt: skip
     if not given:
@@ -38,12 +38,6 @@ def document_violations(config: RapidformerConfig, family: str = "gpt") -> list[
     problem, fix = "", "drop it"
     if family != "gpt":
         problem = f"applies to the built-in GPT's pretraining (this run: {family})"
-    elif parallel.pipeline_model_parallel_size > 1:
-        problem = (
-            "the positions and the document mask do not cross pipeline stages yet (this run: "
-            f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size})"
-        )
-        fix = "drop it, or --pipeline-model-parallel-size"
     elif parallel.sequence_parallel:
         problem = "cannot run with --sequence-parallel: the mask covers the whole sequence"
         fix = "drop it, or --sequence-parallel"
