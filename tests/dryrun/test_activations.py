@@ -104,6 +104,31 @@ def test_on_two_data_parallel_ranks_too(
     assert abs(ratio - 1) <= TOLERANCE, (size, mode, accumulation, flags, estimated, measured)
 
 
+LLAMA = {
+    "vocab_size": 4096, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 6, "num_key_value_heads": 6, "max_position_embeddings": 512,
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not supported(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_fine_tuned_llama_step_too(packing: bool) -> None:
+    """``--task causal_lm``'s dry run (a transformers Llama from its config on the meta
+    device): 4 rows of 512 tokens packed (the positions, the additive block-diagonal mask, the
+    CPU's blocked attention measured) or padded (transformers' boolean mask)."""
+    spec = {
+        "config": {"lr": 1e-3, "micro_batch_size": 4, "train_iters": 3, "seq_length": 512,
+                   "log_interval": 1000, "packing": packing},
+        "llama": LLAMA,
+    }  # fmt: skip
+    estimated, measured = estimated_rise(spec), measured_rise(spec)
+    ratio = estimated / measured
+    print(f"llama packing={packing}: estimated {estimated / 2**20:.1f} MiB, "
+          f"measured {measured / 2**20:.1f} MiB, ratio {ratio:.3f}")  # fmt: skip
+    assert abs(ratio - 1) <= TOLERANCE, (packing, estimated, measured)
+
+
 def test_recomputation_lowers_the_estimate_as_it_lowers_the_memory() -> None:
     """The estimate follows each switch (the ranking the CPU measurements show), and a longer
     sequence costs more: the figures are not one constant."""

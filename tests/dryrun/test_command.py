@@ -155,13 +155,43 @@ def test_bad_flags_fail_the_dry_run_as_they_fail_a_run(capsys: pytest.CaptureFix
     assert "--tensor-model-parallel-size=3" in capsys.readouterr().err
 
 
-def test_fine_tuning_tasks_are_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+def test_fine_tuning_tasks_but_causal_lm_are_refused_with_the_reason(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code = main(["--task", "sequence_classification", "--pretrained-model-name-or-path", "m",
                  "--data-name", "x", "--micro-batch-size", "2", "--lr", "1e-4", "--epochs",
                  "1", "--dry-run"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err
-    assert "--dry-run" in err and "--task pretraining" in err
+    assert "--dry-run" in err and "--task causal_lm or pretraining" in err
+
+
+def test_a_causal_lm_is_planned_from_its_config_packed_rows_and_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--task causal_lm: the model from config.json on the meta device (no weights read), the
+    recipe's defaults filled in as a run fills them, packed rows or padded samples (how close
+    the estimates come to a measured step: tests/dryrun/test_activations.py); a Hugging Face
+    model's tensor parallelism is refused with the reason."""
+    from rapidformer.testing.families import tiny_model
+
+    model = tiny_model("llama", tmp_path / "llama", hidden=64, max_positions=256)
+    (model / "model.safetensors").unlink()  # the weights are never read
+    flags = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(model),
+             "--data-dir", str(tmp_path / "chat"), "--seq-length", "256",
+             "--micro-batch-size", "4", "--dry-run", "--save", str(tmp_path / "run")]  # fmt: skip
+    activations = {}
+    for packing in ([], ["--packing"]):
+        assert main([*flags, *packing]) == 0
+        said = capsys.readouterr().out
+        report = json.loads((tmp_path / "run" / "dry_run.json").read_text())
+        activations[bool(packing)] = report["ranks"][0]["activations"]
+        assert "LlamaForCausalLM from" in said and "--data-dir" in said  # no such directory
+        shape = "4 packed rows of 256 tokens" if packing else "4 samples padded to 256 tokens"
+        assert shape in said
+    assert all(activations.values())
+    assert main([*flags, "--tensor-model-parallel-size", "2", "--dry-run-world-size", "2"]) == 2
+    assert "tensor-parallel plan while its weights load" in capsys.readouterr().err
 
 
 def test_the_planning_flags_without_a_dry_run_are_refused(

@@ -9,6 +9,7 @@ from pathlib import Path
 from rapidformer.config.env import LaunchEnv
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.dryrun import DryRunReport, dry_run
+from rapidformer.dryrun.finetuning import finetuning_workload
 from rapidformer.dryrun.fit import parse_memory
 from rapidformer.dryrun.workload import check_task, pretraining_workload
 from rapidformer.engine.validation import validate
@@ -31,17 +32,22 @@ def device_memory(config: RapidformerConfig) -> tuple[int | None, str]:
 
 def run_dry_run(config: RapidformerConfig) -> DryRunReport:
     """The dry run the flags ask for: printed, and written to SAVE/dry_run.json with --save."""
+    from rapidformer.templates.finetuner import Finetuner
     from rapidformer.templates.pretrainer import Pretrainer
 
     planning = config.planning
     world_size = planning.dry_run_world_size or LaunchEnv.read().world_size
     memory, source = device_memory(config)  # a bad --device-memory fails before any work
     check_task(config)
+    pretraining = config.training.task == "pretraining"
+    trainer = Pretrainer if pretraining else Finetuner
+    config = trainer.config_defaults(config)  # what the run would fill in (a recipe's --lr)
     # Every flag checked as a real run checks it, before the model is built from them.
-    extra = Pretrainer.config_violations(config)
+    extra = trainer.config_violations(config)
     validate(config, world_size, extra=extra, on_this_machine=False)
     warnings: list[str] = []
-    work, model = pretraining_workload(config, warnings)
+    workload = pretraining_workload if pretraining else finetuning_workload
+    work, model = workload(config, warnings)
     report = dry_run(
         config,
         world_size,

@@ -52,17 +52,26 @@ def pretraining_workload(config: RapidformerConfig, warnings: list[str]) -> tupl
     return work, description
 
 
+DRY_RUN_TASKS = ("pretraining", "causal_lm")
+"""The tasks a dry run builds: the built-in models', and a Hugging Face causal LM's from its
+config.json (:mod:`rapidformer.dryrun.finetuning`)."""
+
+
 def check_task(config: RapidformerConfig) -> None:
-    """Refuse what a dry run cannot build: anything but the built-in pretraining models."""
-    if config.training.task != "pretraining" or config.training.user_script is not None:
-        raise ConfigError.single(
-            "--dry-run",
-            True,
-            "a dry run measures the built-in models of --task pretraining (GPT, BERT); "
-            "fine-tuning tasks and --user-script models are not built without their weights "
-            "or code",
-            "drop --dry-run, or estimate the same shape with --task pretraining",
-        )
+    """Refuse what a dry run cannot build: a user script's model, a task but those above."""
+    from rapidformer.templates.tasks import canonical_task
+
+    task = config.training.task
+    if config.training.user_script is None and canonical_task(task or "") in DRY_RUN_TASKS:
+        return
+    raise ConfigError.single(
+        "--dry-run",
+        True,
+        "a dry run measures the built-in models of --task pretraining (GPT, BERT) and the "
+        "Hugging Face model of --task causal_lm, built from config.json; other fine-tuning "
+        "tasks and --user-script models are not built without their weights or code",
+        "drop --dry-run, or estimate the same shape with --task causal_lm or pretraining",
+    )
 
 
 def _vocab_size(config: RapidformerConfig, family: str, warnings: list[str]) -> int:

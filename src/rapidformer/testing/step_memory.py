@@ -5,6 +5,10 @@ A *spec* is ``{"config": {...RapidformerConfig fields}, "shape": {...GPTConfig f
 with ``"world_size": N`` for N ranks under torchrun (data parallel, as the config says). With
 the config's document flags (``reset_attention_mask`` ...), micro-batches hold a document
 boundary every ``DOCUMENT_EVERY`` tokens and carry the positions and mask the flags add.
+With ``"llama": {...LlamaConfig fields}`` in place of ``"shape"``, the model is a transformers
+Llama fine-tuned as ``--task causal_lm`` runs it: on rows of ``--seq-length`` tokens packed
+from samples of ``DOCUMENT_EVERY`` tokens (``packing``: the positions, the mask and the CPU's
+blocked attention), or on samples padded to it (a tenth of each is padding).
 
 **Measured** (:func:`measured_rise`): a child process trains through the engine with
 ``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
@@ -30,6 +34,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -56,8 +61,19 @@ def estimated_rise(spec: Spec) -> int:
     from rapidformer.dryrun import dry_run, gpt_workload
 
     config = RapidformerConfig.from_dict(spec["config"])
-    documents = document_collate(config.data, EOD)
-    work = gpt_workload(GPTConfig(**spec["shape"]), config.data.micro_batch_size, documents)
+    micro = config.data.micro_batch_size
+    if "llama" in spec:
+        import transformers
+
+        from rapidformer.dryrun.finetuning import causal_lm_workload
+
+        seq = config.model.seq_length
+        assert seq is not None
+        llama = transformers.LlamaConfig(**spec["llama"])
+        work = causal_lm_workload(llama, micro, seq, packing=config.data.packing)
+    else:
+        documents = document_collate(config.data, EOD)
+        work = gpt_workload(GPTConfig(**spec["shape"]), micro, documents)
     rank = dry_run(config, spec.get("world_size", 1), work, "GPT").ranks[0]
     kept = rank.state.gradients if rank.gradients_kept else 0
     return rank.total - rank.state.parameters - rank.state.optimizer - kept
@@ -94,8 +110,25 @@ def _child(spec: Spec) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     config = RapidformerConfig.from_dict(spec["config"])
-    shape = GPTConfig(**spec["shape"])
     engine = RapidformerEngine(config, builds_optimizer=True)
+    batch, step = (_llama_step if "llama" in spec else _gpt_step)(spec, config, engine)
+    batches = [batch] * engine.accumulation_steps
+    for _ in range(2):
+        engine.run_step(batches, step)
+    gc.collect()
+    start = _status_bytes("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+    engine.run_step(batches, step)
+    peak = _status_bytes("VmHWM")
+    engine.close()
+    # One write, so that two ranks' lines cannot interleave on torchrun's shared stdout.
+    os.write(sys.stdout.fileno(), f"RESULT {json.dumps({'rise': peak - start})}\n".encode())
+
+
+def _gpt_step(
+    spec: Spec, config: RapidformerConfig, engine: RapidformerEngine
+) -> tuple[dict[str, torch.Tensor], StepFunctions]:
+    shape = GPTConfig(**spec["shape"])
     state = engine.compose(GPTModel.build(shape, "meta"))
     micro, seq = config.data.micro_batch_size, shape.max_position_embeddings
     ids = torch.randint(1, shape.vocab_size, (micro, seq))
@@ -109,18 +142,40 @@ def _child(spec: Spec) -> None:
         logits = state.model(**{key: batch[key] for key in DOCUMENT_INPUTS if key in batch})
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
 
-    batches = [batch] * engine.accumulation_steps
-    step = StepFunctions(train_step=loss, weight=lambda b: b["labels"].numel())
-    for _ in range(2):
-        engine.run_step(batches, step)
-    gc.collect()
-    start = _status_bytes("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
-    engine.run_step(batches, step)
-    peak = _status_bytes("VmHWM")
-    engine.close()
-    # One write, so that two ranks' lines cannot interleave on torchrun's shared stdout.
-    os.write(sys.stdout.fileno(), f"RESULT {json.dumps({'rise': peak - start})}\n".encode())
+    return batch, StepFunctions(train_step=loss, weight=lambda b: b["labels"].numel())
+
+
+def _llama_step(
+    spec: Spec, config: RapidformerConfig, engine: RapidformerEngine
+) -> tuple[dict[str, torch.Tensor], StepFunctions]:
+    import transformers
+
+    from rapidformer.data.packing import collate_packed, pack_rows
+    from rapidformer.models.packed_attention import prepare_packed
+    from rapidformer.templates.tasks import CausalLM
+
+    llama = transformers.LlamaConfig(**spec["llama"])
+    llama._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(llama)
+    micro, seq = config.data.micro_batch_size, config.model.seq_length
+    assert seq is not None
+    task: Any = CausalLM(SimpleNamespace(pad_token_id=0), seq)  # type: ignore[arg-type]
+    ids = torch.randint(1, llama.vocab_size, (micro, seq))
+    if config.data.packing:
+        task.blocked_attention = prepare_packed(model, engine.device)
+        samples = [{"input_ids": ids[row, i : i + DOCUMENT_EVERY].tolist()}
+                   for row in range(micro) for i in range(0, seq, DOCUMENT_EVERY)]  # fmt: skip
+        batch = collate_packed(pack_rows(samples, seq)[:micro], seq, pad_id=0)
+    else:
+        mask = torch.ones_like(ids)
+        mask[:, -seq // 10 :] = 0
+        batch = {"input_ids": ids, "attention_mask": mask}
+    state = engine.compose(model)
+
+    def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return task.loss(state.model(**task.inputs(batch)), batch)
+
+    return batch, StepFunctions(train_step=loss, weight=task.weight)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""The model and micro-batch of a fine-tuning dry run (``--task causal_lm``).
+
+The model is the Hugging Face model of ``--pretrained-model-name-or-path`` built from its
+``config.json`` on the meta device: no weight is read and no code from the directory runs (a
+model that needs its own code is refused). The micro-batch is ``--micro-batch-size`` rows of
+``--seq-length`` tokens:
+
+* with ``--packing``, packed rows: positions restarting per sample and the additive
+  block-diagonal mask ``[rows, 1, T, T]`` the task builds where the batch is, as a real step
+  has them (a packed row is always ``--seq-length`` tokens long, whatever the samples);
+* without, samples of ``--seq-length`` tokens with the boolean ``[rows, 1, T, T]`` mask
+  transformers makes of a padded batch: the longest a batch can be (padding to the longest
+  sample, or the dynamic-shape iterator's buckets, make most batches shorter).
+
+The data is not read, so the number of rows an epoch packs into is not known here; the run's
+log says it (``data: train: N samples packed into R rows``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rapidformer.config.root import RapidformerConfig
+from rapidformer.dryrun.estimate import Workload
+from rapidformer.errors import ConfigError
+
+
+def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple[Workload, str]:
+    """The causal LM the flags describe, on the micro-batch a step of it runs."""
+    from rapidformer.templates.architectures import model_kwargs_for
+    from rapidformer.templates.finetuner import DEFAULT_SEQ_LENGTH
+
+    path = config.model.pretrained_model_name_or_path
+    assert path is not None
+    if config.parallel.tensor_model_parallel_size > 1:
+        raise ConfigError.single(
+            "--dry-run", True,
+            "a Hugging Face model takes its own tensor-parallel plan while its weights load, "
+            "which a dry run does not do",
+            "plan the run with --tensor-model-parallel-size 1 and divide the model state by "
+            "the tensor-parallel size",
+        )  # fmt: skip
+    hf_config = _read_config(path)
+    for name, value in model_kwargs_for(path, "causal_lm").items():
+        setattr(hf_config, name, value)
+    seq = config.model.seq_length or DEFAULT_SEQ_LENGTH
+    rows = config.data.micro_batch_size
+    work = causal_lm_workload(
+        hf_config, rows, seq, packing=config.data.packing, fused=config.memory.fused_lm_loss
+    )
+    model = work.build()
+    parameters = sum(p.numel() for p in model.parameters())
+    shape = (
+        f"{rows} packed rows of {seq} tokens (positions restarting per sample, a "
+        f"[{rows}, 1, {seq}, {seq}] block-diagonal mask)"
+        if config.data.packing
+        else f"{rows} samples padded to {seq} tokens (the longest a batch can be)"
+    )
+    description = (
+        f"{type(model).__name__} from {path} ({getattr(hf_config, 'model_type', '?')}, "
+        f"{parameters:,} parameters); micro-batch: {shape}"
+    )
+    if config.data.data_dir is not None and not Path(config.data.data_dir).exists():
+        warnings.append(
+            f"--data-dir: {config.data.data_dir} does not exist (a real run would stop there)"
+        )
+    return work, description
+
+
+def causal_lm_workload(
+    hf_config: Any, rows: int, seq: int, *, packing: bool, fused: bool = False
+) -> Workload:
+    """A transformers causal LM of ``hf_config`` (sdpa attention) on ``rows`` packed rows
+    or padded samples of ``seq`` tokens (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    from rapidformer.templates.tasks import CausalLM
+
+    hf_config._attn_implementation = "sdpa"  # what from_pretrained picks on a GPU and a CPU
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config)
+
+    task: Any = CausalLM(SimpleNamespace(pad_token_id=0), seq)  # type: ignore[arg-type]
+    tokens = torch.zeros(rows, seq, dtype=torch.long, device="meta")
+    batch: dict[str, torch.Tensor] = {"input_ids": tokens, "labels": tokens}
+    if packing:
+        batch |= {"attention_mask": tokens, "position_ids": tokens, "packed_samples": tokens,
+                  "packed_starts": tokens}  # fmt: skip
+    else:
+        # The boolean mask transformers makes of a padded batch's, given made: it would make
+        # it from the values (and look for packed samples in them), which meta tensors lack.
+        batch["attention_mask"] = torch.ones(rows, 1, seq, seq, dtype=torch.bool, device="meta")
+    return Workload(
+        build=build,
+        batch=batch,
+        inputs=task.loss_inputs if fused else task.inputs,
+        loss=task.loss,
+        hidden_size=int(getattr(hf_config, "hidden_size", 0) or 0),
+        seq_length=seq,
+    )
+
+
+def _read_config(path: str) -> Any:
+    """The model's configuration from ``path/config.json``, running no code from it."""
+    from transformers import AutoConfig
+
+    if not (Path(path).expanduser() / "config.json").is_file():
+        raise ConfigError.single(
+            "--pretrained-model-name-or-path", path,
+            "a dry run reads the model's config.json from a local directory, and there is none",
+            "pass the directory the model was saved to (save_pretrained)",
+        )  # fmt: skip
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, OSError) as exc:
+        raise ConfigError.single(
+            "--pretrained-model-name-or-path", path,
+            f"its config.json cannot be read without running the model's own code ({exc})",
+            "plan with a model transformers knows",
+        ) from exc  # fmt: skip
