@@ -256,13 +256,8 @@ class Finetuner(Trainer):
             self.task.blocked_attention = prepare_packed(model, self.engine.device)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
-            log.info(
-                "model: %s from %s, %s parameters%s",
-                type(model).__name__,
-                path,
-                f"{parameters:,}",
-                f"; {loaded}" if loaded else "",
-            )
+            log.info("model: %s from %s, %s parameters%s", type(model).__name__, path,
+                     f"{parameters:,}", f"; {loaded}" if loaded else "")  # fmt: skip
             if self.config.data.packing:
                 log.info("packing: samples kept apart by %s", packed_attention_note(model))
         return model

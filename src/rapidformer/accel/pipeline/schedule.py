@@ -5,7 +5,8 @@ meta device): each stage this rank holds is a copy of the model pruned to its la
 (:meth:`~rapidformer.models.stages.StagedModel.keep_stage`), so every later step (checkpointing,
 compile, tensor parallelism, FSDP2, materialisation, DDP, precision) works on the stages as it
 would on a whole model, and checkpoints keep the whole model's parameter names.
-:mod:`rapidformer.accel.pipeline.layout` decides the split and the placement.
+:mod:`rapidformer.accel.pipeline.layout` decides the split and the placement, and
+:mod:`rapidformer.accel.pipeline.inputs` how the step's micro-batches reach the stages.
 
 Training runs through :class:`PipelineForwardBackward`, the forward-backward slot: one call of
 ``torch.distributed.pipelining``'s schedule (1F1B, GPipe, Interleaved1F1B, ZBV) per optimizer
@@ -29,7 +30,7 @@ Evaluation and ``state.model(...)`` go through
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,13 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from rapidformer.accel.pipeline.inputs import (
+    concatenated,
+    equal_shapes,
+    schedulable,
+    shapes,
+    stage_inputs,
+)
 from rapidformer.accel.pipeline.layout import (
     StageLayout,
     bubble_formula,
@@ -150,8 +158,8 @@ class PipelineForwardBackward:
             self._scaler.scale(torch.zeros((), device=self.device))
         try:
             with loss_context(state):
-                for run in _equal_shapes(args, kwargs):
-                    for chunk in _schedulable(run, self.schedule_name, self.model.layout.pp):
+                for run in equal_shapes(args, kwargs):
+                    for chunk in schedulable(run, self.schedule_name, self.model.layout.pp):
                         self._run_schedule(chunk, args, kwargs)
         finally:
             self._step = None
@@ -168,8 +176,8 @@ class PipelineForwardBackward:
         # The public step() takes a whole batch and cuts it into the schedule's micro-batches
         # along dim 0. The run's micro-batches have equal shapes, so concatenating them and
         # cutting again gives each one back exactly; the target is each one's index.
-        whole_args = tuple(_concatenated(list(values)) for values in zip(*run_args, strict=True))
-        whole_kwargs = {key: _concatenated([k[key] for k in run_kwargs]) for key in run_kwargs[0]}
+        whole_args = tuple(concatenated(list(values)) for values in zip(*run_args, strict=True))
+        whole_kwargs = {key: concatenated([k[key] for k in run_kwargs]) for key in run_kwargs[0]}
         schedule.step(*whole_args, target=torch.tensor(run), return_outputs=False, **whole_kwargs)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -192,7 +200,7 @@ class PipelineForwardBackward:
         same batches, so they agree on the key without communicating."""
         key = (
             microbatches,
-            tuple(_shapes(a) + _shapes(k) for a, k in zip(args, kwargs, strict=True)),
+            tuple(shapes(a) + shapes(k) for a, k in zip(args, kwargs, strict=True)),
         )
         if key not in self._schedules:
             layout = self.model.layout
@@ -236,44 +244,6 @@ class PipelineForwardBackward:
         self._schedules.clear()
 
 
-def stage_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``model_inputs(batch)`` as the stages take it: (positional, keyword). torch's schedule
-    gives the positional inputs to the first stage only (the later ones take the previous
-    stage's outputs in their place) and the keyword inputs to every stage, so a mapping's
-    ``input_ids`` becomes the first stage's positional input and the rest (a document mask
-    every stage's attention reads) reaches every stage."""
-    if not isinstance(inputs, Mapping):
-        return tuple(inputs), {}
-    rest = dict(inputs)
-    first = rest.pop("input_ids", None)
-    return ((first,) if first is not None else ()), rest
-
-
-def _schedulable(run: list[int], schedule: str, pp: int) -> list[list[int]]:
-    """``run`` cut where a schedule cannot take it whole: Interleaved1F1B runs rounds of
-    ``m // pp`` micro-batches and needs ``m`` to be a multiple of the round count."""
-    m = len(run)
-    if schedule == "Interleaved1F1B" and m > pp and m % max(1, m // pp):
-        whole = pp * (m // pp)
-        return [run[:whole], run[whole:]]
-    return [run]
-
-
-def _concatenated(values: list[Any]) -> Any:
-    """Equal-shaped micro-batch tensors joined along dim 0 (see ``_run_schedule``); a value
-    that is not a batched tensor must be the same in every micro-batch, as the schedule hands
-    it unchanged to each."""
-    if isinstance(values[0], torch.Tensor) and values[0].dim() > 0:
-        return torch.cat(values)
-    if any(value is not values[0] for value in values[1:]):
-        raise HookError(
-            "under pipeline parallelism every model input must be a tensor with the batch in "
-            f"dim 0, or the same object in every micro-batch; got {type(values[0]).__name__} "
-            "values that differ: return them from model_inputs(batch) as batched tensors"
-        )
-    return values[0]
-
-
 def _uncounted_inference(stage: PipelineStage) -> None:
     """A stage infers its output shapes by one extra forward on placeholder values before
     its first step: MoE layers must not count it as a micro-batch.
@@ -288,27 +258,6 @@ def _uncounted_inference(stage: PipelineStage) -> None:
             return infer(*args, **kwargs)
 
     stage._forward_metadata_inference = quietly  # type: ignore[method-assign]
-
-
-def _equal_shapes(args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> list[list[int]]:
-    """The step's micro-batches in runs of consecutive equal input shapes. A schedule's stages
-    size their buffers once, so micro-batches of different lengths (the dynamic-shape
-    iterator) run as several schedule calls whose gradients add up; every pipeline rank
-    reads the same batches and cuts the same runs."""
-    runs: list[list[int]] = []
-    previous = None
-    for index, (a, k) in enumerate(zip(args, kwargs, strict=True)):
-        key = _shapes(a) + _shapes(k)
-        if key != previous:
-            runs.append([])
-            previous = key
-        runs[-1].append(index)
-    return runs
-
-
-def _shapes(values: Any) -> tuple[Any, ...]:
-    items = values.values() if isinstance(values, Mapping) else values
-    return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in items)
 
 
 def apply_pipeline(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
