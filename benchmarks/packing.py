@@ -10,11 +10,7 @@ lengths follow a long-tailed law like FLAN's (log-normal, median about 65 tokens
 * ``buckets``: rapidformer's dynamic-shape iterator (``--data-iterator dynamic-shape``):
   similar lengths grouped, 8 samples per micro-batch, padded to one of a few bucket lengths;
 * ``packed``: ``--packing``: the samples in rows of 512 tokens (best-fit decreasing), 2 rows per
-  micro-batch (about the tokens of 8 samples), a block-diagonal mask, and the attention in
-  blocks of queries that skip other samples' keys (what ``--packing`` runs on the CPU:
-  :mod:`rapidformer.models.packed_attention`);
-* ``packed-mask``: the same rows through transformers' sdpa over the whole mask (what a GPU
-  runs, and a compiled model): what the blocks save.
+  micro-batch (about the tokens of 8 samples), a block-diagonal mask.
 
 Learned tokens/s: the epoch's learned tokens (every token but each sample's first, the same
 count in every mode) over the epoch's time. Peak: the resident set's peak during the epoch
@@ -45,7 +41,6 @@ from activation_memory import peak_rss_kib, rss_kib
 
 RESULT_PREFIX = "RESULT "
 MODES = ("padded", "buckets", "packed")
-CPU_MODES = ("padded", "buckets", "packed-mask", "packed")
 SEQ, VOCAB, MICRO_BATCH, PACKED_ROWS, HELD_OUT = 512, 4096, 8, 2, 64
 
 
@@ -72,7 +67,7 @@ def batches(
     from rapidformer.templates.tasks import CausalLM
 
     task = CausalLM(SimpleNamespace(pad_token_id=0), SEQ)  # type: ignore[arg-type]
-    if mode.startswith("packed"):
+    if mode == "packed":
         rows = pack_rows(samples, SEQ)
         sampler = ResumableDistributedSampler(len(rows), micro_batch_size=PACKED_ROWS, seed=seed)
         order = list(sampler)
@@ -109,13 +104,7 @@ def child(mode: str, count: int, seed: int) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
 
     result = train_epoch(
-        epoch,
-        samples,
-        held_out,
-        lambda: transformers.LlamaForCausalLM(config),
-        {},
-        clear_peak,
-        blocked_attention=mode == "packed",
+        epoch, samples, held_out, lambda: transformers.LlamaForCausalLM(config), {}, clear_peak
     )
     result.pop("device")
     result.update(mode=mode, peak_mib=(peak_rss_kib() - baseline) / 1024)
@@ -129,16 +118,12 @@ def train_epoch(
     build_model: Callable[[], torch.nn.Module],
     options: dict[str, Any],
     on_start: Callable[[torch.device], None],
-    blocked_attention: bool = False,
 ) -> dict[str, Any]:
     """One epoch of ``epoch``'s micro-batches (made of ``samples``) through the engine
     (AdamW, lr 1e-3, ``options``) on the device it picks, from the weights ``build_model``
     makes after seeding, then the loss on ``held_out`` one by one. ``on_start`` runs just before
-    the timed epoch (after a warm-up step): where the caller starts its peak memory.
-    ``blocked_attention``: packed rows run as ``--packing`` runs them (the blocked attention on
-    the CPU, the whole mask elsewhere); else through sdpa over the whole mask."""
+    the timed epoch (after a warm-up step): where the caller starts its peak memory."""
     from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
-    from rapidformer.models.packed_attention import prepare_packed
     from rapidformer.state import evaluation_context
     from rapidformer.templates.tasks import CausalLM
 
@@ -146,11 +131,10 @@ def train_epoch(
     model = build_model()
     config = RapidformerConfig.from_dict({"lr": 1e-3, **options})
     engine = RapidformerEngine(config, builds_optimizer=True)
-    device = engine.device
-    task = CausalLM(SimpleNamespace(pad_token_id=0), SEQ)  # type: ignore[arg-type]
-    task.blocked_attention = blocked_attention and prepare_packed(model, device)
     state = engine.compose(model)
+    device = engine.device
     epoch = [{key: value.to(device) for key, value in batch.items()} for batch in epoch]
+    task = CausalLM(SimpleNamespace(pad_token_id=0), SEQ)  # type: ignore[arg-type]
 
     def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return task.loss(state.model(**task.inputs(batch)), batch)
@@ -205,22 +189,22 @@ def main() -> None:
     parser = argument_parser(__doc__ or "", quick="128 samples, one run of each mode")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--child", choices=CPU_MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.samples, args.seed)
         return
     count, repeats = (128, 1) if args.quick else (args.samples, args.repeats)
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CPU_MODES}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for repeat in range(repeats):
-        for mode in CPU_MODES:  # interleaved
+        for mode in MODES:  # interleaved
             run = run_script_child(
                 __file__, "--child", mode, "--samples", str(count), "--seed", str(repeat)
             )
             runs[mode].append(run)
             print(
-                f"run {repeat + 1}/{repeats} {mode:11s} {run['learned_tokens_per_s']:8.0f} learned "
+                f"run {repeat + 1}/{repeats} {mode:7s} {run['learned_tokens_per_s']:8.0f} learned "
                 f"tokens/s, padding {100 * run['padding']:4.1f}%, peak {run['peak_mib']:6.1f} "
                 f"MiB, eval loss {run['eval_loss']:.4f}",
                 flush=True,
@@ -242,12 +226,10 @@ def main() -> None:
         / summary["padded"]["learned_tokens_per_s"],
         "packed / buckets": packed["learned_tokens_per_s"]
         / summary["buckets"]["learned_tokens_per_s"],
-        "packed / packed-mask": packed["learned_tokens_per_s"]
-        / summary["packed-mask"]["learned_tokens_per_s"],
     }
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x learned tokens/s")
-    gaps = [eval_gap(packed, summary[mode], repeats, mode) for mode in CPU_MODES[:3]]
+    gaps = [eval_gap(packed, summary[mode], repeats, mode) for mode in ("padded", "buckets")]
     print(*gaps, sep="\n")
     if args.quick:
         return
@@ -271,9 +253,7 @@ def main() -> None:
         "± standard deviation over the data orders.",
         "",
         f"Packed: {ratios['packed / padded']:.2f}x the learned tokens/s of padding to the "
-        f"longest, {ratios['packed / buckets']:.2f}x rapidformer's dynamic-shape buckets, "
-        f"{ratios['packed / packed-mask']:.2f}x the same rows under the whole mask (the "
-        "blocked attention's own gain).",
+        f"longest, {ratios['packed / buckets']:.2f}x rapidformer's dynamic-shape buckets.",
         "",
         *(f"- {gap}" for gap in gaps),
         "",

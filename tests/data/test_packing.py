@@ -21,10 +21,8 @@ from rapidformer.data.packing import (
     packed_mask,
 )
 from rapidformer.errors import ConfigError
-from rapidformer.models import packed_attention
 
 TOLERANCE = 1e-5
-BLOCKED = packed_attention.NAME
 LENGTH = 32
 
 
@@ -42,8 +40,6 @@ def _model(kind: str, attention: str) -> Any:
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
-    if attention == BLOCKED:
-        packed_attention.register()
     model.config._attn_implementation = attention
     return model.eval()
 
@@ -60,25 +56,19 @@ def _token_losses(model: Any, ids: torch.Tensor, **inputs: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize(("kind", "attention"), [("llama", "sdpa"), ("llama", "eager"),
-                                                 ("gpt2", "sdpa"), ("llama", BLOCKED),
-                                                 ("gpt2", BLOCKED)])  # fmt: skip
+                                                 ("gpt2", "sdpa")])  # fmt: skip
 def test_a_packed_batch_gives_each_sample_its_own_losses_and_gradients(
-    kind: str, attention: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, attention: str
 ) -> None:
-    """``BLOCKED`` (rapidformer's CPU attention for packed rows) in blocks of 8 queries: blocks
-    start mid-sample and span several samples, and grouped key/value heads (the Llama's)."""
     samples = _samples([9, 14, 5, 20, 7, 11, 3])
     rows = pack_rows(samples, LENGTH)
     assert len(rows) == 3  # 69 tokens: at least three rows of 32
     batch = collate_packed(rows, LENGTH, pad_id=0)
-    monkeypatch.setattr(packed_attention, "QUERY_BLOCK", 8)
     model = _model(kind, attention)
     packed_inputs = {
         "attention_mask": packed_mask(batch["packed_samples"]),
         "position_ids": batch["position_ids"],
     }
-    if attention == BLOCKED:
-        packed_inputs["packed_starts"] = batch["packed_starts"]
     logits = model(input_ids=batch["input_ids"], **packed_inputs).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
     packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
@@ -124,45 +114,6 @@ def test_a_samples_logits_do_not_move_when_its_row_mate_changes() -> None:
     assert (after_long - alone).abs().max() <= TOLERANCE
     # Positions restarting at 0 without the mask: the row-mate laid out first leaks in.
     assert (logits_of_sample(long, masked=False) - alone).abs().max() > 1e-2
-
-
-def test_each_token_is_told_where_its_sample_starts() -> None:
-    rows = pack_rows(_samples([3, 2, 4]), 12)
-    starts = collate_packed(rows, 12, pad_id=0)["packed_starts"]
-    # Longest first: 4 tokens, 3, 2, then the row's padding from token 9.
-    assert starts.tolist() == [[0, 0, 0, 0, 4, 4, 4, 7, 7, 9, 9, 9]]
-
-
-def test_the_blocked_attention_skips_keys_and_is_sdpa_elsewhere(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """What the blocks cost: each block of queries is given only the keys from its first
-    sample's start on (counted through SDPA's calls); unpacked inputs and compiled graphs
-    get transformers' sdpa with the whole mask (one call per layer)."""
-    monkeypatch.setattr(packed_attention, "QUERY_BLOCK", 8)
-    model = _model("llama", BLOCKED)
-    batch = collate_packed(pack_rows(_samples([9, 14, 5, 20, 7, 11, 3]), LENGTH), LENGTH, 0)
-    keys: list[int] = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counting(query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        keys.append(key.shape[2])
-        return sdpa(query, key, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
-    mask = packed_mask(batch["packed_samples"])
-    with torch.no_grad():
-        model(input_ids=batch["input_ids"], attention_mask=mask,
-              position_ids=batch["position_ids"], packed_starts=batch["packed_starts"])  # fmt: skip
-    firsts = batch["packed_starts"][:, ::8]
-    ends = torch.arange(8, LENGTH + 1, 8)
-    per_layer = (ends - firsts).flatten().tolist()
-    assert keys == per_layer * 2  # 2 layers
-    assert sum(per_layer) < 0.75 * 3 * 4 * LENGTH  # a quarter or more of the keys skipped
-    keys.clear()
-    with torch.no_grad():
-        model(input_ids=batch["input_ids"])
-    assert keys == [LENGTH, LENGTH]
 
 
 def test_best_fit_decreasing_fills_rows_tightly_and_deterministically() -> None:

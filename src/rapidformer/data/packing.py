@@ -77,9 +77,9 @@ def pack_rows(samples: Sequence[Mapping[str, Any]], capacity: int) -> list[dict[
 
 def collate_packed(rows: Sequence[Mapping[str, Any]], length: int, pad_id: int) -> dict[str, Any]:
     """Packed rows as tensors of ``length`` tokens: ``input_ids``, ``labels``, ``position_ids``,
-    ``attention_mask`` (1 on real tokens: what throughput counts), ``packed_samples`` (the
+    ``attention_mask`` (1 on real tokens: what throughput counts) and ``packed_samples`` (the
     sample each token belongs to, -1 on padding), from which :func:`packed_mask` builds the
-    attention mask where the batch is, and ``packed_starts`` (:func:`sample_starts`)."""
+    attention mask where the batch is."""
     count = len(rows)
     ids = torch.full((count, length), pad_id, dtype=torch.long)
     labels = torch.full((count, length), IGNORE_INDEX, dtype=torch.long)
@@ -97,18 +97,7 @@ def collate_packed(rows: Sequence[Mapping[str, Any]], length: int, pad_id: int) 
         "position_ids": positions,
         "attention_mask": (sample >= 0).long(),
         "packed_samples": sample,
-        "packed_starts": sample_starts(sample),
     }
-
-
-def sample_starts(samples: torch.Tensor) -> torch.Tensor:
-    """For each token of packed rows ``[B, T]`` (the sample it belongs to, -1 on padding),
-    where its sample (or the row's padding) starts: what
-    :mod:`rapidformer.models.packed_attention` skips the keys before."""
-    index = torch.arange(samples.shape[1]).expand_as(samples)
-    first = torch.ones_like(samples, dtype=torch.bool)
-    first[:, 1:] = samples[:, 1:] != samples[:, :-1]
-    return torch.where(first, index, 0).cummax(dim=1).values
 
 
 def packed_mask(samples: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,6 @@
 """Packed rows have one shape whatever samples they hold: a Hugging Face Llama compiled per block
 runs 20 steps of varied packed samples with one block graph, no fallback, no host read, and the
-losses of eager (the backend is dynamo's ``eager``: the same graphs and guards, no kernels), with
-transformers' sdpa and with rapidformer's blocked attention (which compiles as sdpa over the
-whole mask, while eager skips the other samples' keys)."""
+losses of eager (the backend is dynamo's ``eager``: the same graphs and guards, no kernels)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import transformers
 
 from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
 from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows
-from rapidformer.models import packed_attention
 from rapidformer.templates.tasks import CausalLM
 from tests.helpers.host_reads import counting_host_reads
 
@@ -35,20 +32,16 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def _train(compiled: bool, attention: str) -> tuple[RapidformerEngine, list[float], int]:
+def _train(compiled: bool) -> tuple[RapidformerEngine, list[float], int]:
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    task = CausalLM.__new__(CausalLM)  # only its inputs and loss are used: no tokenizer
-    if attention == packed_attention.NAME:
-        packed_attention.register()
-        model.set_attn_implementation(attention)
-        task.blocked_attention = True
     engine = RapidformerEngine(RapidformerConfig.from_dict({"lr": 1e-3, "torch_compile": compiled}))
     state = engine.compose(model)
+    task = CausalLM.__new__(CausalLM)  # only its inputs and loss are used: no tokenizer
 
     def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return task.loss(state.model(**task.inputs(batch)), batch)
@@ -62,16 +55,12 @@ def _train(compiled: bool, attention: str) -> tuple[RapidformerEngine, list[floa
     return engine, [float(r.loss) for r in results], reads.total()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", packed_attention.NAME])
-def test_packed_rows_compile_once_and_read_nothing_on_the_host(
-    attention: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(packed_attention, "QUERY_BLOCK", 16)  # 3 blocks a row in eager
-    compiled, losses, reads = _train(compiled=True, attention=attention)
+def test_packed_rows_compile_once_and_read_nothing_on_the_host() -> None:
+    compiled, losses, reads = _train(compiled=True)
     assert compiled.step_metrics() == {"compile_graphs": 1, "compile_fallbacks": 0}
     assert reads == 0
     compiled.close()
-    eager, reference, _ = _train(compiled=False, attention=attention)
+    eager, reference, _ = _train(compiled=False)
     eager.close()
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-5
     assert losses[-1] < losses[0]

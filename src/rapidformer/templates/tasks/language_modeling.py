@@ -146,9 +146,6 @@ class CausalLM(LanguageModeling):
     name = "causal_lm"
     auto_class = "AutoModelForCausalLM"
     recipe = Recipe(5e-5, 3, 0.0, "transformers' run_clm.py")
-    blocked_attention = False
-    """The model skips the keys of other samples in packed rows
-    (:mod:`rapidformer.models.packed_attention`): it is given where each sample starts."""
 
     def __init__(
         self,
@@ -184,14 +181,11 @@ class CausalLM(LanguageModeling):
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "packed_samples" in batch:  # --packing: each sample attends to itself only
-            inputs = {
+            return {
                 "input_ids": batch["input_ids"],
                 "attention_mask": packed_mask(batch["packed_samples"]),
                 "position_ids": batch["position_ids"],
             }
-            if self.blocked_attention:
-                inputs["packed_starts"] = batch["packed_starts"]
-            return inputs
         return super().inputs(batch)
 
     def loss_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
