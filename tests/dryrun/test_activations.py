@@ -116,7 +116,7 @@ LLAMA = {
 def test_a_fine_tuned_llama_step_too(packing: bool) -> None:
     """``--task causal_lm``'s dry run (a transformers Llama from its config on the meta
     device): 4 rows of 512 tokens packed (the positions, the additive block-diagonal mask, the
-    CPU's blocked attention measured) or padded (transformers' boolean mask)."""
+    CPU's fused attention under it) or padded (transformers' boolean mask)."""
     spec = {
         "config": {"lr": 1e-3, "micro_batch_size": 4, "train_iters": 3, "seq_length": 512,
                    "log_interval": 1000, "packing": packing},

@@ -90,8 +90,7 @@ def causal_lm_workload(
     tokens = torch.zeros(rows, seq, dtype=torch.long, device="meta")
     batch: dict[str, torch.Tensor] = {"input_ids": tokens, "labels": tokens}
     if packing:
-        batch |= {"attention_mask": tokens, "position_ids": tokens, "packed_samples": tokens,
-                  "packed_starts": tokens}  # fmt: skip
+        batch |= {"attention_mask": tokens, "position_ids": tokens, "packed_samples": tokens}
     else:
         # The boolean mask transformers makes of a padded batch's, given made: it would make
         # it from the values (and look for packed samples in them), which meta tensors lack.

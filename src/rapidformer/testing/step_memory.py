@@ -7,8 +7,8 @@ the config's document flags (``reset_attention_mask`` ...), micro-batches hold a
 boundary every ``DOCUMENT_EVERY`` tokens and carry the positions and mask the flags add.
 With ``"llama": {...LlamaConfig fields}`` in place of ``"shape"``, the model is a transformers
 Llama fine-tuned as ``--task causal_lm`` runs it: on rows of ``--seq-length`` tokens packed
-from samples of ``DOCUMENT_EVERY`` tokens (``packing``: the positions, the mask and the CPU's
-blocked attention), or on samples padded to it (a tenth of each is padding).
+from samples of ``DOCUMENT_EVERY`` tokens (``packing``: the positions and the block-diagonal
+mask), or on samples padded to it (a tenth of each is padding).
 
 **Measured** (:func:`measured_rise`): a child process trains through the engine with
 ``MALLOC_MMAP_THRESHOLD_`` set low, so that every large block is its own mapping, returned to
@@ -151,7 +151,6 @@ def _llama_step(
     import transformers
 
     from rapidformer.data.packing import collate_packed, pack_rows
-    from rapidformer.models.packed_attention import prepare_packed
     from rapidformer.templates.tasks import CausalLM
 
     llama = transformers.LlamaConfig(**spec["llama"])
@@ -162,7 +161,6 @@ def _llama_step(
     task: Any = CausalLM(SimpleNamespace(pad_token_id=0), seq)  # type: ignore[arg-type]
     ids = torch.randint(1, llama.vocab_size, (micro, seq))
     if config.data.packing:
-        task.blocked_attention = prepare_packed(model, engine.device)
         samples = [{"input_ids": ids[row, i : i + DOCUMENT_EVERY].tolist()}
                    for row in range(micro) for i in range(0, seq, DOCUMENT_EVERY)]  # fmt: skip
         batch = collate_packed(pack_rows(samples, seq)[:micro], seq, pad_id=0)
