@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidformer.accel.pipeline.inputs import stage_inputs
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.documents import DOCUMENT_INPUTS, DocumentCollate
 from rapidformer.distributed.dims import ParallelDims
@@ -284,11 +285,14 @@ def _measure_part(
     hidden = torch.empty(
         micro, work.seq_length, work.hidden_size, device="meta", requires_grad=True
     )
-    inputs: ModelInputs = work.inputs(batch) if first else (hidden,)
+    inputs: ModelInputs = work.inputs(batch)
+    later: dict[str, Any] = {}
+    if not first:  # as the schedule gives them: the hidden states, and the keyword inputs
+        inputs, later = (hidden,), stage_inputs(inputs)[1]  # (a mask every stage reads)
     part.train()
 
     def run() -> Any:
-        outputs = call_model(part, inputs)
+        outputs = part(*inputs, **later) if later else call_model(part, inputs)
         if last:
             return work.loss(outputs, batch)
         return outputs, torch.ones_like(outputs)
