@@ -59,7 +59,7 @@ def report(exc: BaseException, debug: bool) -> int:
         _wait_until_said()
         return exit_code_of(exc)
     code = _say(exc, rank, debug)
-    if local_rank == 0:
+    if isinstance(exc, ConfigError) and local_rank == 0:
         _tell_said()
     return code
 
@@ -88,19 +88,27 @@ SAID_WAIT_S = 30
 
 def _said_key() -> tuple[Store, str] | None:
     """(torchrun's agent store, this machine's key in it): where the first rank of a machine
-    records that it has spoken; None outside torchrun or where the store cannot be reached."""
-    import datetime
-
-    from rapidformer.config.env import LaunchEnv
-    from rapidformer.distributed.process_group import attempt_store
-
+    records that it has said a configuration error; None outside torchrun (checked from the
+    environment first: no store, and no torch import, for a run of one process) or where the
+    store cannot be reached. The key is the agent's own (its host and process, which all its
+    workers share) under the attempt's prefix: a configuration error fails the attempt, so the
+    agent's next attempt has another prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "LOCAL_RANK" not in os.environ:
+        return None
     try:
+        import datetime
+        import socket
+
+        from rapidformer.config.env import LaunchEnv
+        from rapidformer.distributed.process_group import attempt_store
+
         store = attempt_store(LaunchEnv.read(), datetime.timedelta(seconds=SAID_WAIT_S))
+        agent = f"{socket.gethostname()}/{os.getppid()}"
     except Exception:  # noqa: BLE001 (this runs while reporting another error)
         return None
     if store is None:
         return None
-    return store, f"said/{os.environ.get('GROUP_RANK', '0')}"
+    return store, f"said/{agent}"
 
 
 def _wait_until_said() -> None:

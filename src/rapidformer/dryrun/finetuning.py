@@ -18,6 +18,7 @@ log says it (``data: train: N samples packed into R rows``).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,14 +37,6 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
 
     path = config.model.pretrained_model_name_or_path
     assert path is not None
-    if config.parallel.tensor_model_parallel_size > 1:
-        raise ConfigError.single(
-            "--dry-run", True,
-            "a Hugging Face model takes its own tensor-parallel plan while its weights load, "
-            "which a dry run does not do",
-            "plan the run with --tensor-model-parallel-size 1 and divide the model state by "
-            "the tensor-parallel size",
-        )  # fmt: skip
     hf_config = _read_config(path)
     for name, value in model_kwargs_for(path, "causal_lm").items():
         setattr(hf_config, name, value)
@@ -53,6 +46,10 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
         hf_config, rows, seq, packing=config.data.packing, fused=config.memory.fused_lm_loss
     )
     model = work.build()
+    if config.data.packing:
+        from rapidformer.data.packing import check_packable
+
+        check_packable(model)  # as the run refuses it: a --packing ConfigError
     parameters = sum(p.numel() for p in model.parameters())
     shape = (
         f"{rows} packed rows of {seq} tokens (positions restarting per sample, a "
@@ -80,9 +77,13 @@ def causal_lm_workload(
 
     from rapidformer.templates.tasks import CausalLM
 
-    hf_config._attn_implementation = "sdpa"  # what from_pretrained picks on a GPU and a CPU
+    hf_config = copy.deepcopy(hf_config)  # the caller's stays as it was
+    if hasattr(hf_config, "output_router_logits"):
+        hf_config.output_router_logits = True  # an MoE family, as the Finetuner sets it
 
     def build() -> torch.nn.Module:
+        # The attention transformers picks itself, as from_pretrained does: sdpa where the
+        # model has it, else eager.
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(hf_config)
 
@@ -103,6 +104,19 @@ def causal_lm_workload(
         hidden_size=int(getattr(hf_config, "hidden_size", 0) or 0),
         seq_length=seq,
     )
+
+
+def refuse_tensor_parallelism(config: RapidformerConfig) -> None:
+    """A Hugging Face model's tensor parallelism is refused before anything reads the model
+    (validation would read its plan)."""
+    if config.parallel.tensor_model_parallel_size > 1:
+        raise ConfigError.single(
+            "--dry-run", True,
+            "a Hugging Face model takes its own tensor-parallel plan while its weights load, "
+            "which a dry run does not do",
+            "plan the run with --tensor-model-parallel-size 1 and divide the model state by "
+            "the tensor-parallel size",
+        )  # fmt: skip
 
 
 def _read_config(path: str) -> Any:

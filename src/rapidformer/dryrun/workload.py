@@ -63,6 +63,10 @@ def check_task(config: RapidformerConfig) -> None:
 
     task = config.training.task
     if config.training.user_script is None and canonical_task(task or "") in DRY_RUN_TASKS:
+        if task != "pretraining":
+            from rapidformer.dryrun.finetuning import refuse_tensor_parallelism
+
+            refuse_tensor_parallelism(config)
         return
     raise ConfigError.single(
         "--dry-run",

@@ -16,8 +16,10 @@ def stage_inputs(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``model_inputs(batch)`` as the stages take it: (positional, keyword). torch's schedule
     gives the positional inputs to the first stage only (the later ones take the previous
     stage's outputs in their place) and the keyword inputs to every stage, so a mapping's
-    ``input_ids`` becomes the first stage's positional input and the rest (a document mask
-    every stage's attention reads) reaches every stage."""
+    ``input_ids`` becomes the first stage's positional input and the rest reaches every stage:
+    every key must be one a later stage takes by name (the built-in GPT's ``position_ids``
+    and ``document_mask``; BERT's later stages take their mask positionally, so its inputs
+    stay a tuple)."""
     if not isinstance(inputs, Mapping):
         return tuple(inputs), {}
     rest = dict(inputs)
