@@ -71,8 +71,8 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
 def causal_lm_workload(
     hf_config: Any, rows: int, seq: int, *, packing: bool, fused: bool = False
 ) -> Workload:
-    """A transformers causal LM of ``hf_config`` (sdpa attention) on ``rows`` packed rows
-    or padded samples of ``seq`` tokens (see the module docstring)."""
+    """A transformers causal LM of ``hf_config`` (the attention transformers picks) on
+    ``rows`` packed rows or padded samples of ``seq`` tokens (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
     from rapidformer.templates.tasks import CausalLM
@@ -93,8 +93,9 @@ def causal_lm_workload(
     if packing:
         batch |= {"attention_mask": tokens, "position_ids": tokens, "packed_samples": tokens}
     else:
-        # The boolean mask transformers makes of a padded batch's, given made: it would make
-        # it from the values (and look for packed samples in them), which meta tensors lack.
+        # The boolean mask transformers makes from a padded batch, given ready-made: it would
+        # build it from the values (and look for packed samples in them), which meta tensors
+        # do not have.
         batch["attention_mask"] = torch.ones(rows, 1, seq, seq, dtype=torch.bool, device="meta")
     return Workload(
         build=build,
