@@ -157,11 +157,16 @@ def run_child(mode: str, steps: int) -> dict[str, Any]:
     return run_script_child(__file__, "--child", "--steps", str(steps), "--mode", mode)
 
 
-def run_script_child(script: str, *args: str) -> dict[str, Any]:
-    """``script args`` in a fresh process with the mmap threshold set; the JSON of its last
-    ``RESULT`` line (the process exits this one with its output when it fails)."""
+def run_script_child(script: str, *args: str, measures_memory: bool = True) -> dict[str, Any]:
+    """``script args`` in a fresh process, with the mmap threshold set where it
+    ``measures_memory``; the JSON of its last ``RESULT`` line (the process exits this one with
+    its output when it fails). A child that measures speed only runs with glibc's own
+    threshold, as a training run does: the fixed threshold maps and faults in every large
+    buffer afresh each step, which costs time in proportion to the bytes a step allocates."""
     command = [sys.executable, script, *args]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+    env = dict(os.environ)
+    if measures_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:

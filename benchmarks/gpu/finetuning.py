@@ -88,7 +88,7 @@ def packing_section(dry: bool) -> dict[str, Any]:
             result = packing.train_epoch(
                 packing.batches(mode, samples, seed), samples, held_out,
                 lambda: transformers.LlamaForCausalLM(config), {"precision": "bf16"},
-                on_start=reset_memory,
+                on_start=reset_memory, per_sample_attention=mode == "packed",
             )  # fmt: skip
             result["peak_memory_mb"] = peak_mb(result.pop("device"))
             runs[mode].append(result)

@@ -1,7 +1,8 @@
 """Padding-free packing: a packed batch gives each sample the per-token losses and gradients it
 has run alone and unpadded (within 1e-5, fp32) on a Hugging Face Llama (sdpa and eager) and
-GPT-2 (learned positions); a sample's logits do not move when its row-mate changes; best-fit
-decreasing fills rows as it should."""
+GPT-2 (learned positions), under the block-diagonal mask and through rapidformer's per-sample
+attention (what ``--packing`` runs on the CPU); a sample's logits do not move when its row-mate
+changes; best-fit decreasing fills rows as it should."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from rapidformer.data.packing import (
     packed_mask,
 )
 from rapidformer.errors import ConfigError
+from rapidformer.models import packed_attention
 
 TOLERANCE = 1e-5
+PER_SAMPLE = packed_attention.NAME
 LENGTH = 32
 
 
@@ -40,6 +43,8 @@ def _model(kind: str, attention: str) -> Any:
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(config)
+    if attention == PER_SAMPLE:
+        packed_attention.register()
     model.config._attn_implementation = attention
     return model.eval()
 
@@ -56,19 +61,24 @@ def _token_losses(model: Any, ids: torch.Tensor, **inputs: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize(("kind", "attention"), [("llama", "sdpa"), ("llama", "eager"),
-                                                 ("gpt2", "sdpa")])  # fmt: skip
+                                                 ("gpt2", "sdpa"), ("llama", PER_SAMPLE),
+                                                 ("gpt2", PER_SAMPLE)])  # fmt: skip
 def test_a_packed_batch_gives_each_sample_its_own_losses_and_gradients(
     kind: str, attention: str
 ) -> None:
+    """``PER_SAMPLE`` is given the sample ids and no mask: were it to fall back to sdpa, the
+    whole row's causal mask would let samples see each other and the losses would move. The
+    Llama's key and value heads are grouped (2 for 4 query heads)."""
     samples = _samples([9, 14, 5, 20, 7, 11, 3])
     rows = pack_rows(samples, LENGTH)
     assert len(rows) == 3  # 69 tokens: at least three rows of 32
     batch = collate_packed(rows, LENGTH, pad_id=0)
     model = _model(kind, attention)
-    packed_inputs = {
-        "attention_mask": packed_mask(batch["packed_samples"]),
-        "position_ids": batch["position_ids"],
-    }
+    packed_inputs = {"position_ids": batch["position_ids"]}
+    if attention == PER_SAMPLE:
+        packed_inputs["packed_samples"] = batch["packed_samples"]
+    else:
+        packed_inputs["attention_mask"] = packed_mask(batch["packed_samples"])
     logits = model(input_ids=batch["input_ids"], **packed_inputs).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
     packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
@@ -114,6 +124,39 @@ def test_a_samples_logits_do_not_move_when_its_row_mate_changes() -> None:
     assert (after_long - alone).abs().max() <= TOLERANCE
     # Positions restarting at 0 without the mask: the row-mate laid out first leaks in.
     assert (logits_of_sample(long, masked=False) - alone).abs().max() > 1e-2
+
+
+def test_the_per_sample_attention_runs_each_sample_alone_and_is_sdpa_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given the inputs ``--packing`` gives it (the mask and the sample ids), each layer calls
+    SDPA once per sample (and once per row's padding), causal, with that sample's keys only and
+    no mask; unpacked inputs get transformers' sdpa (one call per layer, over all the keys)."""
+    model = _model("llama", PER_SAMPLE)
+    samples = _samples([9, 14, 5, 20, 7, 11, 3])
+    batch = collate_packed(pack_rows(samples, LENGTH), LENGTH, 0)
+    calls: list[tuple[int, bool, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting(query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append((key.shape[2], kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    mask = packed_mask(batch["packed_samples"])
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=mask,
+              position_ids=batch["position_ids"],
+              packed_samples=batch["packed_samples"])  # fmt: skip
+    runs = packed_attention.sample_lengths(batch["packed_samples"])
+    per_layer = [(length, True, True) for row in runs for length in row]
+    assert calls == per_layer * 2  # 2 layers
+    assert sorted(length for row in runs for length in row[:-1]) == [3, 5, 7, 9, 11, 14, 20]
+    assert sum(length**2 for row in runs for length in row) < 0.5 * 3 * LENGTH**2  # scores
+    calls.clear()
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"])
+    assert [keys for keys, _, _ in calls] == [LENGTH, LENGTH]
 
 
 def test_best_fit_decreasing_fills_rows_tightly_and_deterministically() -> None:

@@ -42,7 +42,7 @@ from rapidformer.accel.lora.saving import save_run_adapter
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.packing import PackedCollate, check_packable
+from rapidformer.data.packing import PackedCollate
 from rapidformer.distributed import process_group
 from rapidformer.errors import DataError, Violation
 from rapidformer.logging import log
@@ -54,6 +54,7 @@ from rapidformer.models.hf import (
     save_model,
 )
 from rapidformer.models.hf_fused_loss import FAMILIES as FUSED_FAMILIES
+from rapidformer.models.packed_attention import packed_attention_note, prepare_packed
 from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.families.gpt import document_violations
@@ -251,12 +252,14 @@ class Finetuner(Trainer):
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
         check_vocabulary(model, len(self.tokenizer), path)
-        if self.config.data.packing:
-            check_packable(model)
+        if self.config.data.packing and isinstance(self.task, CausalLM):
+            self.task.per_sample_attention = prepare_packed(model, self.engine.device)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info("model: %s from %s, %s parameters%s", type(model).__name__, path,
                      f"{parameters:,}", f"; {loaded}" if loaded else "")  # fmt: skip
+            if self.config.data.packing:
+                log.info("packing: samples kept apart by %s", packed_attention_note(model))
         return model
 
     def build_data(self) -> DataBundle:

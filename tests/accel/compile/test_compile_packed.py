@@ -1,6 +1,8 @@
 """Packed rows have one shape whatever samples they hold: a Hugging Face Llama compiled per block
 runs 20 steps of varied packed samples with one block graph, no fallback, no host read, and the
-losses of eager (the backend is dynamo's ``eager``: the same graphs and guards, no kernels)."""
+losses of eager (the backend is dynamo's ``eager``: the same graphs and guards, no kernels), with
+transformers' sdpa and with rapidformer's per-sample attention (which compiles as sdpa over the
+whole mask, while eager runs each sample alone)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import transformers
 
 from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
 from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows
+from rapidformer.models import packed_attention
 from rapidformer.templates.tasks import CausalLM
 from tests.helpers.host_reads import counting_host_reads
 
@@ -32,16 +35,19 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return batches
 
 
-def _train(compiled: bool) -> tuple[RapidformerEngine, list[float], int]:
+def _train(compiled: bool, attention: str) -> tuple[RapidformerEngine, list[float], int]:
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
+    task = CausalLM.__new__(CausalLM)  # only its inputs and loss are used: no tokenizer
+    if attention == packed_attention.NAME:
+        task.per_sample_attention = packed_attention.prepare_packed(model, torch.device("cpu"))
+        assert task.per_sample_attention
     engine = RapidformerEngine(RapidformerConfig.from_dict({"lr": 1e-3, "torch_compile": compiled}))
     state = engine.compose(model)
-    task = CausalLM.__new__(CausalLM)  # only its inputs and loss are used: no tokenizer
 
     def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return task.loss(state.model(**task.inputs(batch)), batch)
@@ -55,12 +61,13 @@ def _train(compiled: bool) -> tuple[RapidformerEngine, list[float], int]:
     return engine, [float(r.loss) for r in results], reads.total()
 
 
-def test_packed_rows_compile_once_and_read_nothing_on_the_host() -> None:
-    compiled, losses, reads = _train(compiled=True)
+@pytest.mark.parametrize("attention", ["sdpa", packed_attention.NAME])
+def test_packed_rows_compile_once_and_read_nothing_on_the_host(attention: str) -> None:
+    compiled, losses, reads = _train(compiled=True, attention=attention)
     assert compiled.step_metrics() == {"compile_graphs": 1, "compile_fallbacks": 0}
     assert reads == 0
     compiled.close()
-    eager, reference, _ = _train(compiled=False)
+    eager, reference, _ = _train(compiled=False, attention=attention)
     eager.close()
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-5
     assert losses[-1] < losses[0]

@@ -146,6 +146,9 @@ class CausalLM(LanguageModeling):
     name = "causal_lm"
     auto_class = "AutoModelForCausalLM"
     recipe = Recipe(5e-5, 3, 0.0, "transformers' run_clm.py")
+    per_sample_attention = False
+    """The model runs packed rows one sample at a time
+    (:mod:`rapidformer.models.packed_attention`): it is given which sample each token is of."""
 
     def __init__(
         self,
@@ -181,11 +184,14 @@ class CausalLM(LanguageModeling):
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "packed_samples" in batch:  # --packing: each sample attends to itself only
-            return {
+            inputs = {
                 "input_ids": batch["input_ids"],
                 "attention_mask": packed_mask(batch["packed_samples"]),
                 "position_ids": batch["position_ids"],
             }
+            if self.per_sample_attention:
+                inputs["packed_samples"] = batch["packed_samples"]
+            return inputs
         return super().inputs(batch)
 
     def loss_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
