@@ -49,7 +49,7 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
     if config.data.packing:
         from rapidformer.data.packing import check_packable
 
-        check_packable(model)  # as the run refuses it: a --packing ConfigError
+        check_packable(model, seq)  # as the run refuses it: a --packing ConfigError
     parameters = sum(p.numel() for p in model.parameters())
     shape = (
         f"{rows} packed rows of {seq} tokens (positions restarting per sample, a "

@@ -33,9 +33,16 @@ from torch import nn
 
 NAME = "rapidformer_packed"
 
-_UNSUPPORTED = ("softcap", "s_aux", "position_bias", "head_mask")
-"""Attention options the per-sample path does not apply: with any of them set, transformers'
-``sdpa`` over the whole mask runs instead."""
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+"""The model types switched to :data:`NAME` (each tested against its samples run alone): their
+attention is plain causal softmax attention over rotary or learned positions. Others keep
+``sdpa`` over the whole mask: a family may build its own mask in its layers, pass sinks or
+sparse indices, or widen its queries beyond its values."""
+
+_KNOWN = frozenset({"position_ids", "use_cache", "cache_position", "sliding_window"})
+"""The options these families pass to their attention that the per-sample path applies or may
+ignore (the window only where it is at least the row, :func:`_applies`). Given any other
+option, transformers' ``sdpa`` over the whole mask runs instead."""
 
 
 def per_sample_attention(
@@ -52,7 +59,7 @@ def per_sample_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, H_kv, T, D]``, the additive mask ``[B, 1, T, T]`` (used only where this falls back
-    to ``sdpa``); returns ``[B, T, H, D]``."""
+    to ``sdpa``); returns ``[B, T, H, D_v]``. Causal, as the packed mask is."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if packed_samples is None or not _applies(query, key, packed_samples, kwargs):
@@ -62,19 +69,18 @@ def per_sample_attention(
         )  # fmt: skip
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    causal = bool(getattr(module, "is_causal", True))
     outputs = []
     for lengths, *row in zip(sample_lengths(packed_samples), query, key, value, strict=True):
         queries, keys, values = (part.split(lengths, dim=1) for part in row)
         outputs += [
             # [None]: the CPU's flash kernel takes 4-D inputs only (3-D ones run the math path)
             F.scaled_dot_product_attention(
-                q[None], k[None], v[None], dropout_p=dropout, is_causal=causal, scale=scaling
+                q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling
             )[0].transpose(0, 1)  # [L, H, D]: the kernel's own layout, so no copy
             for q, k, v in zip(queries, keys, values, strict=True)
         ]
-    batch, heads, length, width = query.shape
-    return torch.cat(outputs).view(batch, length, heads, width), None  # one copy in all
+    batch, heads, length = query.shape[:3]
+    return torch.cat(outputs).view(batch, length, heads, value.shape[-1]), None  # one copy
 
 
 def sample_lengths(samples: torch.Tensor) -> list[list[int]]:
@@ -91,10 +97,12 @@ def _applies(
     return (
         query.device.type == "cpu"
         and samples.device.type == "cpu"
+        # Compiled or traced (ONNX export), the lengths would be fixed in the graph.
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and key.shape[2] == length == samples.shape[1]  # no cache: the row's own keys
         and (window is None or window >= length)  # a window as long as the row changes nothing
-        and not any(options.get(name) is not None for name in _UNSUPPORTED)
+        and all(name in _KNOWN or value is None for name, value in options.items())
     )
 
 
@@ -108,18 +116,21 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def prepare_packed(model: nn.Module, device: torch.device) -> bool:
-    """Check that ``model`` keeps packed samples apart (else a ConfigError naming
-    ``--packing``), and switch a transformers model running ``sdpa`` on the CPU to
-    :data:`NAME`; returns whether it did (the task then passes ``packed_samples``)."""
+def prepare_packed(model: nn.Module, device: torch.device, seq_length: int | None = None) -> bool:
+    """Check that ``model`` keeps packed rows of ``seq_length`` tokens apart (else a
+    ConfigError naming ``--packing``), and switch a transformers model of :data:`FAMILIES`
+    running ``sdpa`` on the CPU to :data:`NAME`; returns whether it did (the task then passes
+    ``packed_samples``)."""
     from rapidformer.data.packing import check_packable
 
-    check_packable(model)
-    if device.type != "cpu" or _attention(model) != "sdpa":
+    check_packable(model, seq_length)
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if device.type != "cpu" or _attention(model) != "sdpa" or family not in FAMILIES:
         return False
     register()
     model.set_attn_implementation(NAME)  # type: ignore[operator]
-    return True
+    # A model outside transformers' attention interface keeps its own (with a warning).
+    return _attention(model) == NAME
 
 
 def packed_attention_note(model: nn.Module) -> str:
