@@ -85,7 +85,9 @@ def per_sample_attention(
 
 def sample_lengths(samples: torch.Tensor) -> list[list[int]]:
     """The lengths of the runs of equal ids in each packed row of ``samples`` ``[B, T]`` (a
-    sample's tokens, or the row's padding): a CPU tensor the collate function filled."""
+    sample's tokens, or the row's padding). A host read inside the step, which is why the path
+    runs only where ``samples`` is a CPU tensor the collate function filled (no device to wait
+    for); redone per layer, as a tensor is all a compiled block may be given, at about 15 us."""
     return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in samples]
 
 

@@ -252,10 +252,10 @@ class Finetuner(Trainer):
         if config is not None and getattr(config, "pad_token_id", 0) is None:
             config.pad_token_id = self.task.pad_id  # e.g. GPT-2 classifying padded batches
         check_vocabulary(model, len(self.tokenizer), path)
-        if self.config.data.packing and isinstance(self.task, CausalLM):
-            self.task.per_sample_attention = prepare_packed(
-                model, self.engine.device, self.seq_length
-            )
+        if self.config.data.packing:  # checked for any task; only the causal LM's passes ids
+            per_sample = prepare_packed(model, self.engine.device, self.seq_length)
+            if isinstance(self.task, CausalLM):
+                self.task.per_sample_attention = per_sample
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info("model: %s from %s, %s parameters%s", type(model).__name__, path,
