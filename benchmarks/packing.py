@@ -1,7 +1,7 @@
 """Padding-free packing against padding, side by side: learned tokens/s, peak memory, eval loss.
 
 A small Llama (hidden 512, 4 layers, vocabulary 4,096: a row of 512 tokens is as long as the
-model is wide, as a 2,048-wide model on rows of 2,048) trains one epoch over 512 samples whose
+model is wide, as a 2,048-wide model on rows of 2,048) trains one epoch over 256 samples whose
 lengths follow a long-tailed law like FLAN's (log-normal, median about 65 tokens, a few up to
 --seq-length 512), each mode from the same initial weights, fp32, AdamW:
 
@@ -17,14 +17,16 @@ lengths follow a long-tailed law like FLAN's (log-normal, median about 65 tokens
   runs, and a compiled model): what running each sample alone saves.
 
 Learned tokens/s: the epoch's learned tokens (every token but each sample's first, the same
-count in every mode) over the time of the epoch's steps, every mode trained in one process with
-their steps interleaved (this machine's speed drifts by 10-20% over minutes; interleaved, the
-drift falls on every mode alike), under glibc's own mmap threshold as a training run is. Peak:
-each mode alone in its own process with ``MALLOC_MMAP_THRESHOLD_`` fixed (freed buffers leave
-the resident set), the resident set's peak during the epoch minus the resident set before the
-model was built. Eval loss: after the
-epoch, on 64 held-out samples run one by one (the same evaluation for every mode; it differs
-between modes only by the order the epoch's samples came in).
+count in every mode) over the time of the epoch's steps. Every mode trains in a process of its
+own (its own heap, as a training run has), and the modes take their steps in turn (this
+machine's speed drifts by 10-20% over minutes; in turn, the drift falls on every mode alike),
+each after a forward and backward of each shape its epoch holds (a run's later epochs). The
+same runs with every mode in one shared process are measured beside them, and each step's page
+faults. Peak: each mode alone in its own process with ``MALLOC_MMAP_THRESHOLD_`` fixed (freed
+buffers leave the resident set), the resident set's peak during the epoch minus the resident
+set before the model was built. Eval loss: after the epoch, on 64 held-out samples run one by
+one (the same evaluation for every mode; it differs between modes only by the order the
+epoch's samples came in).
 
     .venv/bin/python benchmarks/packing.py            # full run, writes result files
     .venv/bin/python benchmarks/packing.py --quick    # 128 samples, 1 run each, writes nothing
@@ -36,77 +38,19 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import IO, Any
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 from activation_memory import peak_rss_kib, rss_kib
+from packing_epoch import HELD_OUT, SEQ, EpochRun, batches, corpus, llama
 
 RESULT_PREFIX = "RESULT "
-MODES = ("padded", "buckets", "packed")
 CPU_MODES = ("padded", "buckets", "packed-mask", "packed")
-SEQ, VOCAB, MICRO_BATCH, PACKED_ROWS, HELD_OUT = 512, 4096, 8, 2, 64
 COMPARED = (("packed", "padded"), ("packed", "buckets"), ("packed", "packed-mask"))
-
-
-def corpus(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
-    """``count`` samples with long-tailed lengths (8 to SEQ tokens) of Markov-ish token ids."""
-    rng = np.random.RandomState(seed)
-    lengths = np.clip(rng.lognormal(mean=4.2, sigma=0.9, size=count), 8, SEQ).astype(int)
-    samples = []
-    for length in lengths:
-        start = rng.randint(1, VOCAB)
-        steps = rng.randint(1, 17, size=int(length))  # learnable: small steps through the ids
-        ids = (start + np.cumsum(steps)) % (VOCAB - 1) + 1
-        samples.append({"input_ids": ids.tolist(), "attention_mask": [1] * len(ids)})
-    return samples
-
-
-def batches(
-    mode: str, samples: list[dict[str, list[int]]], seed: int = 0
-) -> list[dict[str, torch.Tensor]]:
-    """One epoch's micro-batches, as ``mode`` lays them out, in the order of ``seed``."""
-    from rapidformer.data.dynamic_shape import BucketCollate, LengthGroupedSampler, bucket_lengths
-    from rapidformer.data.packing import collate_packed, pack_rows
-    from rapidformer.data.samplers import ResumableDistributedSampler
-    from rapidformer.templates.tasks import CausalLM
-
-    task = CausalLM(SimpleNamespace(pad_token_id=0), SEQ)  # type: ignore[arg-type]
-    if mode.startswith("packed"):
-        rows = pack_rows(samples, SEQ)
-        sampler = ResumableDistributedSampler(len(rows), micro_batch_size=PACKED_ROWS, seed=seed)
-        order = list(sampler)
-        return [collate_packed([rows[i] for i in order[s : s + PACKED_ROWS]], SEQ, 0)
-                for s in range(0, len(order), PACKED_ROWS)]  # fmt: skip
-    if mode == "buckets":
-        lengths = [len(s["input_ids"]) for s in samples]
-        order = list(LengthGroupedSampler(lengths, MICRO_BATCH, seed=seed))
-        collate: Any = BucketCollate(task.collate, bucket_lengths(SEQ))
-    else:
-        order = list(
-            ResumableDistributedSampler(len(samples), micro_batch_size=MICRO_BATCH, seed=seed)
-        )
-
-        def collate(group: list[Any]) -> Any:
-            return task.collate(group, pad_to=max(len(s["input_ids"]) for s in group))
-
-    return [collate([samples[i] for i in order[s : s + MICRO_BATCH]])
-            for s in range(0, len(order), MICRO_BATCH)]  # fmt: skip
-
-
-def llama() -> Callable[[], torch.nn.Module]:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ,
-    )  # fmt: skip
-    return lambda: transformers.LlamaForCausalLM(config)
 
 
 def child(mode: str, count: int, seed: int) -> None:
@@ -125,130 +69,95 @@ def child(mode: str, count: int, seed: int) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def interleaved_child(count: int, seed: int) -> None:
-    """Every mode's epoch in this process, their steps interleaved (the mode furthest behind in
-    its epoch steps next): this machine's speed drifts by 10-20% over minutes, and here the
-    drift falls on every mode alike."""
+def served_child(mode: str, count: int, seed: int) -> None:
+    """One mode's epoch in this process, a step each time its parent writes ``step``: the
+    parent steps every mode's process in turn (:class:`ServedRun`)."""
+    samples, held_out = corpus(count), corpus(HELD_OUT, seed=1)
+    run = EpochRun(batches(mode, samples, seed), samples, held_out, llama(), {},
+                   per_sample_attention=mode == "packed")  # fmt: skip
+    print(f"READY {len(run.epoch)}", flush=True)
+    for command in sys.stdin:
+        if command.strip() != "step":
+            break
+        run.step()
+        print(f"STEPPED {len(run.losses)}", flush=True)
+    result = run.finish()
+    result.pop("device")
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+class ServedRun:
+    """A mode's epoch in a process of its own (its own heap, as a training run has), built and
+    warmed up, stepped when :meth:`step` says."""
+
+    def __init__(self, mode: str, count: int, seed: int) -> None:
+        # The child's stderr, shown if it fails; open as long as the child lives.
+        self.log: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.command = [sys.executable, __file__, "--serve", mode, "--samples", str(count),
+                        "--seed", str(seed)]  # fmt: skip
+        self.process = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True,
+        )  # fmt: skip
+        self.steps, self.done = int(self.expect("READY")), 0
+
+    def expect(self, word: str) -> str:
+        """The rest of the child's next stdout line that starts with ``word``."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(word + " "):
+                return line[len(word) + 1 :]
+        self.process.wait()
+        self.log.seek(0)
+        sys.exit(
+            f"child {self.process.args} failed ({self.process.returncode}):\n{self.log.read()}"
+        )
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def step(self) -> None:
+        self.send("step")
+        self.expect("STEPPED")
+        self.done += 1
+
+    def finish(self) -> dict[str, Any]:
+        self.send("finish")
+        result: dict[str, Any] = json.loads(self.expect(RESULT_PREFIX.strip()))
+        self.process.wait()
+        return result
+
+
+def lockstep(count: int, seed: int) -> dict[str, dict[str, Any]]:
+    """Every mode's epoch, each in its own process, their steps taken in turn (the mode
+    furthest behind in its epoch goes next; the others wait on their input and use no CPU):
+    this machine's speed drifts by 10-20% over minutes, and in turn the drift falls on every
+    mode alike, while each mode's allocator sees only its own buffers, as in a training run."""
+    runs = {mode: ServedRun(mode, count, seed) for mode in CPU_MODES}
+    while left := [run for run in runs.values() if run.done < run.steps]:
+        min(left, key=lambda run: run.done / run.steps).step()
+        time.sleep(0.01)  # the last child's OpenMP threads stop spinning before the next starts
+    return {mode: run.finish() for mode, run in runs.items()}
+
+
+def shared_child(count: int, seed: int) -> None:
+    """Every mode's epoch in this one process, their steps interleaved as in :func:`lockstep`:
+    the comparison that shows what sharing one heap does (a mode then reuses the free chunks
+    of the others' buffers)."""
     samples, held_out = corpus(count), corpus(HELD_OUT, seed=1)
     runs = {
         mode: EpochRun(batches(mode, samples, seed), samples, held_out, llama(), {},
                        per_sample_attention=mode == "packed")
         for mode in CPU_MODES
     }  # fmt: skip
-    while True:
-        left = [mode for mode, run in runs.items() if not run.done]
-        if not left:
-            break
+    while left := [mode for mode, run in runs.items() if not run.done]:
         runs[min(left, key=lambda mode: runs[mode].progress)].step()
     results = {mode: run.finish() for mode, run in runs.items()}
     for result in results.values():
         result.pop("device")
     print(RESULT_PREFIX + json.dumps(results), flush=True)
-
-
-class EpochRun:
-    """One epoch of ``epoch``'s micro-batches (made of ``samples``) through the engine
-    (AdamW, lr 1e-3, ``options``) on the device it picks, from the weights ``build_model``
-    makes after seeding, a step at a time (so that several can interleave), then the loss on
-    ``held_out`` one by one. Built, it has run a warm-up step (allocations, the optimizer's
-    state). ``per_sample_attention``: packed rows run as ``--packing`` runs them (one sample at a
-    time on the CPU, the whole mask elsewhere); else through sdpa over the whole mask."""
-
-    def __init__(
-        self,
-        epoch: list[dict[str, torch.Tensor]],
-        samples: list[dict[str, list[int]]],
-        held_out: list[dict[str, list[int]]],
-        build_model: Callable[[], torch.nn.Module],
-        options: dict[str, Any],
-        per_sample_attention: bool = False,
-    ) -> None:
-        from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
-        from rapidformer.models.packed_attention import prepare_packed
-        from rapidformer.templates.tasks import CausalLM
-
-        torch.manual_seed(0)
-        model = build_model()
-        self.engine = RapidformerEngine(
-            RapidformerConfig.from_dict({"lr": 1e-3, **options}), builds_optimizer=True
-        )
-        self.device = self.engine.device
-        task = CausalLM(SimpleNamespace(pad_token_id=0), SEQ)  # type: ignore[arg-type]
-        task.per_sample_attention = per_sample_attention and prepare_packed(model, self.device)
-        self.state = state = self.engine.compose(model)
-        self.epoch = [{key: value.to(self.device) for key, value in batch.items()}
-                      for batch in epoch]  # fmt: skip
-        self.samples, self.held_out = samples, held_out
-
-        def loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return task.loss(state.model(**task.inputs(batch)), batch)
-
-        self.functions = StepFunctions(train_step=loss, weight=task.weight)
-        self.engine.run_step([self.epoch[0]], self.functions)  # warm-up
-        self.losses: list[torch.Tensor] = []
-        self.seconds = 0.0
-
-    @property
-    def done(self) -> bool:
-        return len(self.losses) == len(self.epoch)
-
-    @property
-    def progress(self) -> float:
-        return len(self.losses) / len(self.epoch)
-
-    def step(self) -> bool:
-        """The next micro-batch, timed; whether any is left."""
-        synchronize = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
-        synchronize()
-        started = time.perf_counter()
-        batch = self.epoch[len(self.losses)]
-        self.losses.append(self.engine.run_step([batch], self.functions).loss_tensor)
-        synchronize()
-        self.seconds += time.perf_counter() - started
-        return not self.done
-
-    def finish(self) -> dict[str, Any]:
-        from rapidformer.state import evaluation_context
-
-        learned = sum(len(s["input_ids"]) - 1 for s in self.samples)
-        total, tokens = 0.0, 0
-        with evaluation_context(self.state):  # no gradients, the training precision
-            for sample in self.held_out:
-                ids = torch.tensor([sample["input_ids"]], device=self.device)
-                logits = self.state.unwrapped_model(input_ids=ids).logits[0, :-1].float()
-                total += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-                tokens += ids.shape[1] - 1
-        slots = sum(int(b["input_ids"].numel()) for b in self.epoch)
-        self.engine.close()
-        return {
-            "micro_batches": len(self.epoch),
-            "padding": 1 - (learned + len(self.samples)) / slots,
-            "seconds": self.seconds,
-            "learned_tokens_per_s": learned / self.seconds,
-            "eval_loss": total / tokens,
-            "first_loss": float(self.losses[0]),
-            "last_loss": float(self.losses[-1]),
-            "device": self.device,
-        }
-
-
-def train_epoch(
-    epoch: list[dict[str, torch.Tensor]],
-    samples: list[dict[str, list[int]]],
-    held_out: list[dict[str, list[int]]],
-    build_model: Callable[[], torch.nn.Module],
-    options: dict[str, Any],
-    on_start: Callable[[torch.device], None],
-    per_sample_attention: bool = False,
-) -> dict[str, Any]:
-    """:class:`EpochRun` from start to end; ``on_start`` runs just before the timed epoch
-    (after the warm-up step): where the caller starts its peak memory."""
-    run = EpochRun(epoch, samples, held_out, build_model, options, per_sample_attention)
-    gc.collect()
-    on_start(run.device)
-    while run.step():
-        pass
-    return run.finish()
 
 
 def eval_gap(packed: dict[str, Any], other: dict[str, Any], runs: int, name: str) -> str:
@@ -262,15 +171,24 @@ def eval_gap(packed: dict[str, Any], other: dict[str, Any], runs: int, name: str
     return f"eval loss, {name}: {gap:+.4f}, two standard errors {2 * error:.4f}: {verdict}"
 
 
+def paired(runs: dict[str, list[dict[str, Any]]], mode: str, other: str) -> float:
+    """``mode``'s speed over ``other``'s: the median of the ratios within each run."""
+    return statistics.median(
+        a["learned_tokens_per_s"] / b["learned_tokens_per_s"]
+        for a, b in zip(runs[mode], runs[other], strict=True)
+    )
+
+
 def main() -> None:
     from activation_memory import run_script_child
     from common import argument_parser, stamp
 
     parser = argument_parser(__doc__ or "", quick="128 samples, one run of each mode")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--child", choices=CPU_MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--interleaved", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=CPU_MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--shared-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--rewrite", action="store_true", help="rewrite the page from the results JSON, run nothing"
@@ -280,31 +198,36 @@ def main() -> None:
         write_page(json.loads((Path(__file__).parent / "results/packing.json").read_text()))
         return
     if args.child:
-        child(args.child, args.samples, args.seed)
-        return
-    if args.interleaved:
-        interleaved_child(args.samples, args.seed)
-        return
+        return child(args.child, args.samples, args.seed)
+    if args.serve:
+        return served_child(args.serve, args.samples, args.seed)
+    if args.shared_process:
+        return shared_child(args.samples, args.seed)
     count, repeats = (128, 1) if args.quick else (args.samples, args.repeats)
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CPU_MODES}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CPU_MODES}  # own processes
+    shared: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CPU_MODES}  # one process
     for repeat in range(repeats):
-        results = run_script_child(
-            __file__, "--interleaved", "--samples", str(count), "--seed", str(repeat),
-            measures_memory=False,
-        )  # fmt: skip
-        for mode in CPU_MODES:
-            run = results[mode]
-            runs[mode].append(run)
-            print(
-                f"run {repeat + 1}/{repeats} {mode:11s} {run['learned_tokens_per_s']:8.0f} learned "
-                f"tokens/s, padding {100 * run['padding']:4.1f}%, eval loss {run['eval_loss']:.4f}",
-                flush=True,
-            )
+        protocols = [("own processes", runs), ("one process", shared)]
+        for name, into in protocols[:: 1 if repeat % 2 == 0 else -1]:  # each first in turn
+            results = (
+                lockstep(count, repeat) if into is runs else run_script_child(
+                    __file__, "--shared-process", "--samples", str(count), "--seed", str(repeat),
+                    measures_memory=False)
+            )  # fmt: skip
+            for mode in CPU_MODES:
+                run = results[mode]
+                into[mode].append(run)
+                print(
+                    f"run {repeat + 1}/{repeats}, {name:13s} {mode:11s} "
+                    f"{run['learned_tokens_per_s']:6.0f} learned tokens/s, padding "
+                    f"{100 * run['padding']:4.1f}%, eval loss {run['eval_loss']:.4f}, "
+                    f"{run['minor_faults_per_step']:6.0f} page faults per step",
+                    flush=True,
+                )
     alone = {mode: run_script_child(__file__, "--child", mode, "--samples", str(count))
              for mode in CPU_MODES}  # fmt: skip
     for mode, run in alone.items():
-        print(f"alone {mode:11s} {run['learned_tokens_per_s']:8.0f} learned tokens/s, peak "
-              f"{run['peak_mib']:6.1f} MiB", flush=True)  # fmt: skip
+        print(f"memory run {mode:11s} peak {run['peak_mib']:6.1f} MiB", flush=True)
     summary = {
         mode: {
             "learned_tokens_per_s": statistics.median(r["learned_tokens_per_s"] for r in rs),
@@ -313,33 +236,36 @@ def main() -> None:
             "eval_loss_sd": statistics.stdev([r["eval_loss"] for r in rs]) if len(rs) > 1 else 0.0,
             "padding": rs[0]["padding"],
             "micro_batches": rs[0]["micro_batches"],
+            "minor_faults_per_step": statistics.median(r["minor_faults_per_step"] for r in rs),
+            "shared_faults_per_step": statistics.median(
+                r["minor_faults_per_step"] for r in shared[mode]
+            ),
         }
         for mode, rs in runs.items()
     }
-
-    def paired(mode: str, other: str) -> float:
-        """``mode``'s speed over ``other``'s: the median of the ratios within each run."""
-        return statistics.median(
-            a["learned_tokens_per_s"] / b["learned_tokens_per_s"]
-            for a, b in zip(runs[mode], runs[other], strict=True)
-        )
-
-    ratios = {f"{a} / {b}": paired(a, b) for a, b in COMPARED}
-    versus_buckets = {mode: paired(mode, "buckets") for mode in CPU_MODES}
-    alone_ratios = {
-        f"{a} / {b}": alone[a]["learned_tokens_per_s"] / alone[b]["learned_tokens_per_s"]
-        for a, b in COMPARED
-    }
+    ratios = {f"{a} / {b}": paired(runs, a, b) for a, b in COMPARED}
+    versus_buckets = {mode: paired(runs, mode, "buckets") for mode in CPU_MODES}
+    shared_ratios = {f"{a} / {b}": paired(shared, a, b) for a, b in COMPARED}
     for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.2f}x learned tokens/s (each mode alone: {alone_ratios[name]:.2f}x)")
+        print(f"{name}: {ratio:.2f}x learned tokens/s (in one process: {shared_ratios[name]:.2f}x)")
     gaps = [eval_gap(summary[a], summary[b], repeats, f"{a} - {b}") for a, b in COMPARED]
     print(*gaps, sep="\n")
     if args.quick:
         return
     result = stamp({"samples": count, "seq": SEQ, "repeats": repeats, "summary": summary,
                     "ratios": ratios, "versus_buckets": versus_buckets,
-                    "alone_ratios": alone_ratios, "runs": runs, "alone": alone})  # fmt: skip
+                    "shared_ratios": shared_ratios, "runs": runs, "shared_runs": shared,
+                    "alone": alone})  # fmt: skip
+    print(RESULT_PREFIX + json.dumps(result), flush=True)  # kept in the log if the page fails
     write_page(result)
+
+
+def per_run(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """Packed's speed over the buckets' in each run, in the order of the runs."""
+    return ", ".join(
+        f"{a['learned_tokens_per_s'] / b['learned_tokens_per_s']:.2f}x"
+        for a, b in zip(runs["packed"], runs["buckets"], strict=True)
+    )
 
 
 def write_page(result: dict[str, Any]) -> None:
@@ -347,49 +273,58 @@ def write_page(result: dict[str, Any]) -> None:
     run's ``result``: what ``--rewrite`` redoes from the JSON after a change of wording."""
     from common import write_results
 
-    summary, ratios = result["summary"], result["ratios"]
-    versus_buckets, alone_ratios = result["versus_buckets"], result["alone_ratios"]
+    summary, ratios, shared = result["summary"], result["ratios"], result["shared_runs"]
+    versus_buckets, shared_ratios = result["versus_buckets"], result["shared_ratios"]
     count, repeats = result["samples"], result["repeats"]
     gaps = [eval_gap(summary[a], summary[b], repeats, f"{a} - {b}") for a, b in COMPARED]
-    speed = {mode: s["learned_tokens_per_s"] for mode, s in summary.items()}
-    rows = [
-        f"| {mode} | {s['micro_batches']} | {100 * s['padding']:.1f}% | {speed[mode]:.0f} "
-        f"({versus_buckets[mode]:.2f}x) | {s['peak_mib']:.0f} | "
-        f"{s['eval_loss']:.4f} ± {s['eval_loss_sd']:.4f} |"
-        for mode, s in summary.items()
-    ]
+    rows = []
+    for mode, s in summary.items():
+        in_one = statistics.median(r["learned_tokens_per_s"] for r in shared[mode])
+        rows.append(
+            f"| {mode} | {s['micro_batches']} | {100 * s['padding']:.1f}% | "
+            f"{s['learned_tokens_per_s']:.0f} ({versus_buckets[mode]:.2f}x) | "
+            f"{in_one:.0f} ({paired(shared, mode, 'buckets'):.2f}x) | "
+            f"{s['minor_faults_per_step']:,.0f} / {s['shared_faults_per_step']:,.0f} | "
+            f"{s['peak_mib']:.0f} | {s['eval_loss']:.4f} ± {s['eval_loss_sd']:.4f} |"
+        )
     write_results("packing", result, [
         "# Padding-free packing against padding",
         "",
         f"A Llama of hidden 512, 4 layers, one epoch over {count} samples of long-tailed "
-        f"lengths (median about 65 tokens, up to {SEQ}), fp32, AdamW, on the CPU. Speed: "
-        f"{repeats} runs, each in another data order (the sampler's seed), each training every "
-        "mode in one process with their steps interleaved (this machine's speed drifts by "
-        "10-20% over minutes; interleaved, the drift falls on every mode alike), under glibc's "
-        "own mmap threshold as a training run is; learned "
+        f"lengths (median about 65 tokens, up to {SEQ}), fp32, AdamW, on the CPU, every mode "
+        "from the same weights. Speed: "
+        f"{repeats} runs, each in another data order (the sampler's seed). In each run every "
+        "mode trains in a process of its own (its own heap, as a training run has), and the "
+        "modes take their steps in turn, the one furthest behind in its epoch next: this "
+        "machine's speed drifts by 10-20% over minutes, and in turn the drift falls on every "
+        "mode alike. Before the timed epoch each mode has run a forward and backward of each "
+        "shape the epoch holds (with no update), as a run's later epochs have. Learned "
         "tokens/s is the epoch's learned tokens (the same in every mode) over the time of its "
-        "steps, medians; packed's ratios are the medians of the ratios within each run. Peak: "
+        "steps, medians; ratios are the medians of the ratios within each run. Peak: "
         "each mode alone in its own process, with `MALLOC_MMAP_THRESHOLD_` fixed so that "
         "freed buffers leave the resident set. Eval loss: on 64 held-out samples after the "
         "epoch, mean ± standard deviation over the data orders.",
         "",
         f"Packed: {ratios['packed / padded']:.2f}x the learned tokens/s of padding to the "
-        f"longest, {ratios['packed / buckets']:.2f}x rapidformer's dynamic-shape buckets, "
+        f"longest, {ratios['packed / buckets']:.2f}x rapidformer's dynamic-shape buckets "
+        f"(the runs: {per_run(result['runs'])}; in one process: {per_run(shared)}), "
         f"{ratios['packed / packed-mask']:.2f}x the same rows under the whole mask (the "
         "per-sample attention's own gain).",
         "",
-        "Each mode alone in its own process, under the memory runs' fixed mmap threshold (one "
-        "run each, the drift unpaired): "
-        + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in alone_ratios.items())
-        + ". There every buffer over 128 KiB is mapped and faulted in afresh at each step, "
-        "and the per-sample attention allocates its buffers per sample and layer where the "
-        "whole mask allocates them per layer.",
+        "The same runs with every mode in one shared process (one run of each protocol per "
+        "data order, each first in turn): "
+        + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in shared_ratios.items())
+        + ". There the modes share one heap, which no training run does, so the headline is "
+        "the runs in processes of their own. Page faults per step: the pages the kernel "
+        "mapped in during a mode's steps (memory the allocator had to ask for afresh), per "
+        "protocol.",
         "",
         *(f"- {gap}" for gap in gaps),
         "",
-        "| mode | micro-batches | padding | learned tokens/s (x buckets) | peak, MiB | "
+        "| mode | micro-batches | padding | learned tokens/s (x buckets) | in one process "
+        "(x buckets) | page faults per step (own process / one process) | peak, MiB | "
         "eval loss |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ])  # fmt: skip
 

@@ -116,7 +116,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not on the GPU image")
 sys.meta_path.insert(0, Block())
 sys.path[:0] = ["benchmarks/gpu", "benchmarks", "src", "."]
-import suite, side_by_side, finetuning, packing, async_save
+import suite, side_by_side, finetuning, packing, packing_epoch, async_save
 import tests.helpers.gpu, tests.gpu.test_cuda_training, tests.gpu.test_cuda_runs
 print("imported")
 """

@@ -74,7 +74,7 @@ def packing_section(dry: bool) -> dict[str, Any]:
     packed) on the Llama of 1.1B (tiny in a dry run), bf16, one epoch each from the same
     weights, in 2 data orders: learned tokens/s (medians) and each against padded and buckets
     (the targets: packed >= 2x padded, >= 1.3x buckets), peak memory, eval loss (mean)."""
-    import packing
+    import packing_epoch as packing
     import transformers
 
     count, shape, orders = (32, LLAMA_TINY, 1) if dry else (1024, LLAMA_1B, 2)
