@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rapidformer.data.chat import Sample
+from rapidformer.data.chat import Sample, samples
 from rapidformer.data.chat_masks import ChatRenderer, covered
 from rapidformer.errors import DataError
 from rapidformer.testing.families import tiny_model
@@ -231,3 +231,60 @@ def test_tool_definitions_reach_the_template(tokenizer: Any) -> None:
     assert rendered.input_ids == tagged["input_ids"]
     assert "weather" in tokenizer.decode(rendered.input_ids)
     assert rendered.supervised == [bool(on) for on in tagged["assistant_masks"]]
+
+
+def test_a_prompt_and_completion_of_turns_learn_the_completion_alone(tokenizer: Any) -> None:
+    """The same turns as a conversation and as a prompt (with an earlier assistant turn) and
+    a completion: the same tokens; the conversation learns both assistant turns (as the tags
+    mark them), the pair only its completion."""
+    from datasets import Dataset
+
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Cat?"},
+    ]
+    completion = [{"role": "assistant", "content": "On the mat."}]
+    pair = samples(Dataset.from_dict({"prompt": [prompt], "completion": [completion]}), "train")
+    template = TEMPLATES["chatml"]
+    as_pair = _renderer(tokenizer, _untagged(template)).render(pair[0], 0, "train")
+    as_chat = _renderer(tokenizer, _untagged(template)).render(
+        Sample(turns=prompt + completion), 0, "train"
+    )
+    tagged = tokenizer.apply_chat_template(
+        prompt + completion, chat_template=template, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    assert as_pair.input_ids == as_chat.input_ids == tagged["input_ids"]
+    assert as_chat.supervised == [bool(on) for on in tagged["assistant_masks"]]
+    learned = [t for t, on in zip(as_pair.input_ids, as_pair.supervised, strict=True) if on]
+    assert tokenizer.decode(learned) == "On the mat.<|im_end|>\n"
+    pairs = zip(as_pair.supervised, as_chat.supervised, strict=True)
+    assert all(chat or not only for only, chat in pairs)
+
+
+def test_samples_cut_to_nothing_are_refused_or_dropped_and_counted(tokenizer: Any) -> None:
+    """Cut to 32 tokens, the conversation with a long question keeps no assistant token: the
+    split is refused, naming it and the fix; with --drop-unsupervised it is left out and the
+    log counts it, and the cuts."""
+    from datasets import Dataset
+
+    from rapidformer.templates.tasks.supervised import ChatOptions, supervised_features
+
+    def chat(question: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."}]
+
+    long_question = "Is " + "the cat " * 30
+    rows = Dataset.from_dict({"messages": [chat("Cat?"), chat(long_question), chat("Mat?")]})
+    template = _untagged(TEMPLATES["chatml"])
+    with pytest.raises(DataError, match=r"1 of the train split's 3 samples .*\(rows 1\).*--drop"):
+        supervised_features(rows, "train", tokenizer, 32, ChatOptions(chat_template=template))
+    options = ChatOptions(chat_template=template, drop_unsupervised=True)
+    features = supervised_features(rows, "train", tokenizer, 32, options)
+    assert len(features) == 2
+    kept = [_renderer(tokenizer, template).render(Sample(turns=chat(q)), 0, "train").input_ids
+            for q in ("Cat?", "Mat?")]  # fmt: skip
+    assert [row["input_ids"] for row in features.rows] == kept
+    (note,) = features.extra["notes"]
+    assert "; 1 cut to --seq-length 32; 1 dropped with nothing left to learn" in note

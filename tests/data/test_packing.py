@@ -1,11 +1,14 @@
 """Padding-free packing: a packed batch gives each sample the per-token losses and gradients it
 has run alone and unpadded (within 1e-5, fp32) on a Hugging Face Llama (sdpa and eager) and
-GPT-2 (learned positions), under the block-diagonal mask and through rapidformer's per-sample
-attention (what ``--packing`` runs on the CPU); a sample's logits do not move when its row-mate
-changes; best-fit decreasing fills rows as it should."""
+GPT-2 (learned positions), BERT and RoBERTa loaded as decoders (RoBERTa's positions count
+from its padding id + 1), Gemma, Phi-3, Phi, GPT-NeoX, Falcon and OPT, under the block-diagonal
+mask and through rapidformer's per-sample attention (what ``--packing`` runs on the CPU); a
+sample's logits do not move when its row-mate changes; best-fit decreasing fills rows as it
+should."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,13 +23,37 @@ from rapidformer.data.packing import (
     collate_packed,
     pack_rows,
     packed_mask,
+    position_offset,
 )
 from rapidformer.errors import ConfigError
 from rapidformer.models import packed_attention
+from rapidformer.templates.tasks import CausalLM
 
 TOLERANCE = 1e-5
 PER_SAMPLE = packed_attention.NAME
 LENGTH = 32
+
+
+ENCODERS: dict[str, Any] = {
+    "bert": (transformers.BertConfig, transformers.BertLMHeadModel),
+    "roberta": (transformers.RobertaConfig, transformers.RobertaForCausalLM),  # from pad + 1
+}
+
+
+SMALL = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+MASKED: dict[str, Any] = {
+    "gemma": lambda: transformers.GemmaConfig(
+        **SMALL, intermediate_size=64, head_dim=8, num_key_value_heads=2
+    ),
+    "phi3": lambda: transformers.Phi3Config(**SMALL, intermediate_size=64, pad_token_id=0),
+    "phi": lambda: transformers.PhiConfig(**SMALL, intermediate_size=64),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**SMALL, intermediate_size=64),
+    "falcon": lambda: transformers.FalconConfig(**SMALL),
+    "opt": lambda: transformers.OPTConfig(  # learned positions offset by 2 inside
+        **SMALL, ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64
+    ),
+}
+"""Families that keep the block-diagonal mask (transformers' sdpa), each checked exact."""
 
 
 def _model(kind: str, attention: str) -> Any:
@@ -37,6 +64,14 @@ def _model(kind: str, attention: str) -> Any:
             bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         model = transformers.GPT2LMHeadModel(config)
+    elif kind in MASKED:
+        model = transformers.AutoModelForCausalLM.from_config(MASKED[kind]())
+    elif kind in ENCODERS:  # loaded for causal LM as rapidformer loads them: as decoders
+        config, head = ENCODERS[kind]
+        model = head(config(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, is_decoder=True, pad_token_id=0,
+        ))  # fmt: skip
     else:
         kinds = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}  # fmt: skip
@@ -65,24 +100,27 @@ def _token_losses(model: Any, ids: torch.Tensor, **inputs: torch.Tensor) -> torc
 @pytest.mark.parametrize(("kind", "attention"), [("llama", "sdpa"), ("llama", "eager"),
                                                  ("gpt2", "sdpa"), ("llama", PER_SAMPLE),
                                                  ("gpt2", PER_SAMPLE), ("mistral", PER_SAMPLE),
-                                                 ("qwen2", PER_SAMPLE)])  # fmt: skip
+                                                 ("qwen2", PER_SAMPLE), ("bert", "sdpa"),
+                                                 ("roberta", "sdpa"), ("roberta", "eager"),
+                                                 *((kind, "sdpa") for kind in MASKED)])  # fmt: skip
 def test_a_packed_batch_gives_each_sample_its_own_losses_and_gradients(
     kind: str, attention: str
 ) -> None:
-    """``PER_SAMPLE`` is given the sample ids and no mask: were it to fall back to sdpa, the
-    whole row's causal mask would let samples see each other and the losses would move. The
-    Llama's key and value heads are grouped (2 for 4 query heads)."""
+    """The model is given what the causal LM task gives it. ``PER_SAMPLE`` is given the
+    sample ids and no mask: were it to fall back to sdpa, the whole row's causal mask would let
+    samples see each other and the losses would move. The Llama's key and value heads are
+    grouped (2 for 4 query heads). RoBERTa counts positions from its padding id + 1: given
+    positions from 0, its losses would move."""
     samples = _samples([9, 14, 5, 20, 7, 11, 3])
     rows = pack_rows(samples, LENGTH)
     assert len(rows) == 3  # 69 tokens: at least three rows of 32
     batch = collate_packed(rows, LENGTH, pad_id=0)
     model = _model(kind, attention)
-    packed_inputs = {"position_ids": batch["position_ids"]}
-    if attention == PER_SAMPLE:
-        packed_inputs["packed_samples"] = batch["packed_samples"]
-    else:
-        packed_inputs["attention_mask"] = packed_mask(batch["packed_samples"])
-    logits = model(input_ids=batch["input_ids"], **packed_inputs).logits[:, :-1].float()
+    task = CausalLM(SimpleNamespace(pad_token_id=0), LENGTH)  # type: ignore[arg-type]
+    task.per_sample_attention = attention == PER_SAMPLE
+    task.position_offset = position_offset(model)
+    assert task.position_offset == (1 if kind == "roberta" else 0)  # its pad id, 0, + 1
+    logits = model(**task.inputs(batch)).logits[:, :-1].float()
     targets = batch["labels"][:, 1:]
     packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     learned = targets != IGNORE_INDEX

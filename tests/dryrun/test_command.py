@@ -194,6 +194,40 @@ def test_a_causal_lm_is_planned_from_its_config_packed_rows_and_all(
     assert "tensor-parallel plan while its weights load" in capsys.readouterr().err
 
 
+def test_a_packed_plan_counts_the_rows_and_micro_batches_an_epoch_packs_into(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --packing and data, the plan reads the training split and says how many rows of
+    --seq-length tokens it packs into: best-fit decreasing over the samples' token counts
+    (each text and its end-of-sequence token), counted here from the tokenizer alone."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from rapidformer.data.packing import best_fit_decreasing
+    from rapidformer.testing.families import tiny_model
+
+    model = tiny_model("llama", tmp_path / "llama", hidden=64, max_positions=256)
+    (model / "model.safetensors").unlink()  # the weights are never read
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "purred"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 20))) for _ in range(40)]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    flags = ["--task", "causal_lm", "--pretrained-model-name-or-path", str(model),
+             "--data-dir", str(data), "--seq-length", "64", "--micro-batch-size", "4",
+             "--packing", "--dry-run", "--save", str(tmp_path / "run")]  # fmt: skip
+    assert main(flags) == 0
+    said = capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = [len(tokenizer(t + tokenizer.eos_token)["input_ids"]) for t in texts]
+    assert max(lengths) <= 64 and sum(lengths) > 3 * 64  # none cut; several rows
+    rows = len(best_fit_decreasing(lengths, 64))
+    assert f"an epoch: train: 40 samples packed into {rows} rows of 64 tokens" in said
+    assert f"{-(-rows // 4)} micro-batches of 4 rows" in said
+
+
 def test_the_planning_flags_without_a_dry_run_are_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -670,6 +670,16 @@ CASES = [
         _chat("nofile", [CHAT] * 4, "--chat-template", "/nonexistent/chat.jinja"),
         ("--chat-template", "no such file"),
     ),
+    Case(
+        "packing-on-another-task",
+        lambda i: _finetune(i, i.finetune, "--packing"),
+        ("--packing", "--task causal_lm (this run: sequence_classification)", "Fix: drop it"),
+    ),
+    Case(
+        "packing-with-dynamic-shape-buckets",
+        _chat("buckets", [CHAT] * 4, "--packing", "--data-iterator", "dynamic-shape"),
+        ("--packing", "--data-iterator dynamic-shape", "no padding left", "Fix: drop one of them"),
+    ),
     # ---- user scripts -------------------------------------------------------------------
     Case(
         "script-missing",

@@ -112,17 +112,23 @@ def test_a_black_box_run_learns_the_assistant_turns_in_full_and_with_adapters(
     assert f"train: 48 messages samples, {learned:,} tokens learned" in said
 
 
-def _eval_loss(save: Path) -> float:
+def _eval_record(save: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    return next(r["eval_loss"] for r in records if r["kind"] == "eval")
+    return next(r for r in records if r["kind"] == "eval")
+
+
+def _eval_loss(save: Path) -> float:
+    return float(_eval_record(save)["eval_loss"])
 
 
 def test_packing_scores_the_same_tokens_as_padding(
     chat: tuple[Path, Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Evaluated after a step too small to move the weights, a packed run's validation loss is
-    the padded run's (the same tokens, each sample attending only to itself). The model's own
-    chat template renders the data here (no --chat-template)."""
+    """Evaluated after a step too small to move the weights, a packed run's validation loss,
+    perplexity and token accuracy are the padded run's (the same tokens, each sample attending
+    only to itself; the accuracy within one token of the split's in a thousand, as an argmax
+    may flip at a tie within rounding). The model's own chat template renders the data here
+    (no --chat-template)."""
     model_dir, _, data = chat
     flags = [
         *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
@@ -135,6 +141,9 @@ def test_packing_scores_the_same_tokens_as_padding(
     said = capfd.readouterr().err
     assert "train: 48 samples packed into" in said and "validation: 8 samples packed" in said
     assert abs(_eval_loss(tmp_path / "packed") - _eval_loss(tmp_path / "padded")) <= 1e-5
+    packed, padded = (_eval_record(tmp_path / name) for name in ("packed", "padded"))
+    assert abs(packed["perplexity"] / padded["perplexity"] - 1) <= 1e-5
+    assert abs(packed["token_accuracy"] - padded["token_accuracy"]) <= 1e-3
 
 
 @pytest.mark.distributed

@@ -170,6 +170,21 @@ def check_packable(model: torch.nn.Module, seq_length: int | None = None) -> Non
         )  # fmt: skip
 
 
+def position_offset(model: torch.nn.Module) -> int:
+    """What ``model`` adds to a sample's positions counted from 0: RoBERTa and its kin
+    (XLM-R, CamemBERT ...) count from ``padding_idx + 1`` when they count for themselves,
+    and take given ``position_ids`` as they are, so packed rows must be given positions from
+    there (else every token reads another position's embedding: logits move by 0.37 on a tiny
+    RoBERTa). 0 for every other model: the families that offset their own learned positions
+    (OPT) do so inside, given positions or not."""
+    for module in model.modules():
+        padding = getattr(module, "padding_idx", None)
+        counts_itself = callable(getattr(module, "create_position_ids_from_input_ids", None))
+        if counts_itself and isinstance(padding, int):
+            return padding + 1
+    return 0
+
+
 def sliding_window(config: object) -> int | None:
     """The sliding window a transformers config makes its model attend through, or None
     (Qwen2's ``sliding_window`` counts only with ``use_sliding_window``)."""

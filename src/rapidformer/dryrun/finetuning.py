@@ -12,8 +12,10 @@ model that needs its own code is refused). The micro-batch is ``--micro-batch-si
   transformers makes of a padded batch: the longest a batch can be (padding to the longest
   sample, or the dynamic-shape iterator's buckets, make most batches shorter).
 
-The data is not read, so the number of rows an epoch packs into is not known here; the run's
-log says it (``data: train: N samples packed into R rows``).
+With ``--packing`` and a ``--data-dir`` that exists, the training split is read, tokenized
+(the tokenizer's files only, no code) and packed as the run packs it, and the plan says how
+many rows and micro-batches an epoch holds (:func:`packed_epoch`); the data's errors stop the
+plan as they would stop the run. Without packing the data is not read.
 """
 
 from __future__ import annotations
@@ -61,11 +63,37 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
         f"{type(model).__name__} from {path} ({getattr(hf_config, 'model_type', '?')}, "
         f"{parameters:,} parameters); micro-batch: {shape}"
     )
-    if config.data.data_dir is not None and not Path(config.data.data_dir).exists():
-        warnings.append(
-            f"--data-dir: {config.data.data_dir} does not exist (a real run would stop there)"
-        )
+    data_dir = config.data.data_dir
+    if data_dir is not None and not Path(data_dir).exists():
+        warnings.append(f"--data-dir: {data_dir} does not exist (a real run would stop there)")
+    elif data_dir is not None and config.data.packing:
+        description += f"; an epoch: {packed_epoch(config, path, seq)}"
     return work, description
+
+
+def packed_epoch(config: RapidformerConfig, path: str, seq: int) -> str:
+    """The training split packed into rows of ``seq`` tokens as the run packs it (the task's
+    rendering, truncation and best-fit decreasing): its rows, and the micro-batches of
+    ``--micro-batch-size`` rows they make, shared by the data-parallel ranks."""
+    from rapidformer.data.finetune_data import load_splits
+    from rapidformer.errors import DataError
+    from rapidformer.models.hf import load_tokenizer
+    from rapidformer.templates.tasks import CausalLM
+    from rapidformer.templates.tasks.supervised import options_of, packed
+
+    data = config.data
+    assert data.data_dir is not None
+    splits = load_splits(data.data_dir, data.data_name)
+    if "train" not in splits:
+        raise DataError(f"{data.data_dir}: no training split, which the run would pack")
+    tokenizer = load_tokenizer(path, trust_remote_code=False)  # a plan runs no model code
+    options = options_of(config)
+    if options.chat_template is not None:
+        tokenizer.chat_template = options.chat_template
+    task = CausalLM(tokenizer, seq, config.training.seed, chat=options)
+    rows = packed(task.prepare(splits["train"], "train"), seq)
+    micro = data.micro_batch_size
+    return f"{rows.extra['notes'][-1]}, {-(-len(rows) // micro)} micro-batches of {micro} rows"
 
 
 def causal_lm_workload(

@@ -136,11 +136,17 @@ def prepare_packed(model: nn.Module, device: torch.device, seq_length: int | Non
 
 
 def packed_attention_note(model: nn.Module) -> str:
-    """How ``model`` keeps packed samples apart, for the log."""
+    """How ``model`` keeps packed samples apart, and where their positions start, for the log."""
+    from rapidformer.data.packing import position_offset
+
     attention = _attention(model)
+    how = f"{attention} under a block-diagonal mask"
     if attention == NAME:
-        return "causal sdpa per sample (the whole block-diagonal mask under torch.compile)"
-    return f"{attention} under a block-diagonal mask"
+        how = "causal sdpa per sample (the whole block-diagonal mask under torch.compile)"
+    offset = position_offset(model)
+    if offset:
+        how += f"; each sample's positions from {offset}, where {type(model).__name__} counts"
+    return how
 
 
 def _attention(model: nn.Module) -> str | None:

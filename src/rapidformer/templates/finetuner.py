@@ -42,7 +42,7 @@ from rapidformer.accel.lora.saving import save_run_adapter
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.packing import PackedCollate
+from rapidformer.data.packing import PackedCollate, position_offset
 from rapidformer.distributed import process_group
 from rapidformer.errors import DataError, Violation
 from rapidformer.logging import log
@@ -256,6 +256,7 @@ class Finetuner(Trainer):
             per_sample = prepare_packed(model, self.engine.device, self.seq_length)
             if isinstance(self.task, CausalLM):
                 self.task.per_sample_attention = per_sample
+                self.task.position_offset = position_offset(model)
         if self.engine.is_main_process:
             parameters = sum(p.numel() for p in model.parameters())
             log.info("model: %s from %s, %s parameters%s", type(model).__name__, path,

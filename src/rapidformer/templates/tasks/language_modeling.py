@@ -149,6 +149,9 @@ class CausalLM(LanguageModeling):
     per_sample_attention = False
     """The model runs packed rows one sample at a time
     (:mod:`rapidformer.models.packed_attention`): it is given which sample each token is of."""
+    position_offset = 0
+    """Added to packed rows' positions (which restart at 0 in each sample) for a model that
+    counts positions from elsewhere (:func:`rapidformer.data.packing.position_offset`)."""
 
     def __init__(
         self,
@@ -187,7 +190,7 @@ class CausalLM(LanguageModeling):
             inputs = {
                 "input_ids": batch["input_ids"],
                 "attention_mask": packed_mask(batch["packed_samples"]),
-                "position_ids": batch["position_ids"],
+                "position_ids": batch["position_ids"] + self.position_offset,
             }
             if self.per_sample_attention:
                 inputs["packed_samples"] = batch["packed_samples"]
