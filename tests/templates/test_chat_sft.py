@@ -148,11 +148,11 @@ def test_packing_scores_the_same_tokens_as_padding(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_packed_runs_resume_exactly_and_match_one_process_on_zero3_and_tp2(
+def test_packed_runs_resume_exactly_and_match_one_process_on_ddp_zero3_and_tp2(
     chat: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    """Packed rows are fixed once, so a resumed run continues bitwise, and two ZeRO-3 ranks
-    (FSDP2 shards, each rank a micro-batch) and two tensor-parallel ranks (transformers'
+    """Packed rows are fixed once, so a resumed run continues bitwise, and two DDP ranks and
+    two ZeRO-3 ranks (FSDP2 shards; each rank a micro-batch) and two tensor-parallel ranks (transformers'
     tp_plan: the mask reaches sharded heads) take the micro-batches one process takes (within
     1e-5: other reductions)."""
     model_dir, _, data = chat
@@ -168,7 +168,11 @@ def test_packed_runs_resume_exactly_and_match_one_process_on_zero3_and_tp2(
     one, again = read_losses(tmp_path / "one"), read_losses(tmp_path / "resumed")
     assert again.keys() == {4, 5, 6} and all(again[s] == one[s] for s in again)
     env = shell_env(OMP_NUM_THREADS="1")
-    layouts = {"zero3": ["--sharding", "zero3"], "tp2": ["--tensor-model-parallel-size", "2"]}
+    layouts = {
+        "ddp": [],
+        "zero3": ["--sharding", "zero3"],
+        "tp2": ["--tensor-model-parallel-size", "2"],
+    }
     for name, layout in layouts.items():
         command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
                    *layout, "--save", str(tmp_path / name)]  # fmt: skip
