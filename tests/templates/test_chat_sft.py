@@ -151,10 +151,10 @@ def test_packing_scores_the_same_tokens_as_padding(
 def test_packed_runs_resume_exactly_and_match_one_process_on_ddp_zero3_and_tp2(
     chat: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    """Packed rows are fixed once, so a resumed run continues bitwise, and two DDP ranks and
-    two ZeRO-3 ranks (FSDP2 shards; each rank a micro-batch) and two tensor-parallel ranks (transformers'
-    tp_plan: the mask reaches sharded heads) take the micro-batches one process takes (within
-    1e-5: other reductions)."""
+    """Packed rows are fixed once, so a resumed run continues bitwise, and two DDP ranks, two
+    ZeRO-3 ranks (FSDP2 shards; each rank a micro-batch) and two tensor-parallel ranks
+    (transformers' tp_plan: the mask reaches sharded heads) take the micro-batches one process
+    takes (within 1e-5: other reductions)."""
     model_dir, _, data = chat
     flags = [
         *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
