@@ -166,9 +166,15 @@ def shared_child(count: int, seed: int) -> None:
     print(RESULT_PREFIX + json.dumps(results), flush=True)
 
 
+PROFILES = Path(__file__).parent / "results/packing_profile.json"
+"""Each mode's last ``--profile``: what the docs cite of where an epoch's time goes."""
+
+
 def profile(mode: str, count: int, seed: int) -> None:
     """One epoch of ``mode`` under the profiler: the operators that took the most time, and
-    the matrix multiplies' share and rate against the engine's matmul probe of this CPU."""
+    the matrix multiplies' share and rate against the engine's matmul probe of this CPU,
+    kept in :data:`PROFILES` under ``mode``."""
+    from common import stamp
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -180,20 +186,30 @@ def profile(mode: str, count: int, seed: int) -> None:
     with profiler(activities=[ProfilerActivity.CPU], with_flops=True) as recorded:
         while run.step():
             pass
+    run.engine.close()
     events = recorded.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=15))
     total = sum(event.self_cpu_time_total for event in events) / 1e6
     matmul = [event for event in events if event.key in ("aten::mm", "aten::addmm", "aten::bmm")]
     seconds = sum(event.self_cpu_time_total for event in matmul) / 1e6
-    flops = sum(event.flops for event in matmul)
     attention = sum(event.self_cpu_time_total for event in events
                     if "scaled_dot_product" in event.key) / 1e6  # fmt: skip
+    found = {
+        "samples": count, "steps": len(run.epoch), "epoch_seconds": run.seconds,
+        "operator_seconds": total, "matmul_seconds": seconds, "attention_seconds": attention,
+        "matmul_gflops": sum(event.flops for event in matmul) / max(seconds, 1e-9) / 1e9,
+        "probe_gflops": 1e3 * probe_cpu_tflops("fp32"),
+    }  # fmt: skip
     print(
-        f"{mode}: {len(run.epoch)} steps, {run.seconds:.2f} s; matrix multiplies {seconds:.2f} s "
-        f"({100 * seconds / total:.0f}% of the operators' time) at {flops / seconds / 1e9:.0f} "
-        f"GFLOP/s (the engine's matmul probe now: {1e3 * probe_cpu_tflops('fp32'):.0f}); "
-        f"attention {attention:.2f} s"
+        f"{mode}: {found['steps']} steps, {run.seconds:.2f} s; matrix multiplies {seconds:.2f} "
+        f"s ({100 * seconds / total:.0f}% of the operators' time) at "
+        f"{found['matmul_gflops']:.0f} GFLOP/s (the engine's matmul probe now: "
+        f"{found['probe_gflops']:.0f}); attention {attention:.2f} s "
+        f"({100 * attention / total:.0f}%)"
     )
+    kept = json.loads(PROFILES.read_text()) if PROFILES.is_file() else {}
+    PROFILES.write_text(json.dumps({**kept, mode: stamp(found)}, indent=1) + "\n")
+    print(f"wrote {PROFILES.relative_to(Path(__file__).parents[1])}")
 
 
 def slot_bound(summary: dict[str, dict[str, Any]]) -> float:
@@ -359,8 +375,8 @@ def write_page(result: dict[str, Any]) -> None:
         f"packed rows' (their padding {100 * summary['buckets']['padding']:.1f}% against "
         f"{100 * summary['packed']['padding']:.1f}%), is {slot_bound(summary):.2f}x: the "
         "ratio if every slot cost the same. The matrix multiplies cost the same per slot in "
-        "every mode and run at this CPU's peak (`--profile`), so packed rows go past the "
-        "bound only by what their attention saves.",
+        "every mode; where they run at the CPU's peak (`--profile` says whether), packed rows "
+        "go past the bound only by what their attention saves.",
         "",
         "The same runs with every mode in one shared process (one run of each protocol per "
         "data order, each first in turn): "

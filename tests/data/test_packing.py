@@ -121,6 +121,11 @@ def test_a_packed_batch_gives_each_sample_its_own_losses_and_gradients(
     task.position_offset = position_offset(model)
     assert task.position_offset == (1 if kind == "roberta" else 0)  # its pad id, 0, + 1
     logits = model(**task.inputs(batch)).logits[:, :-1].float()
+    if task.position_offset:  # the control: positions from 0 would move the logits
+        task.position_offset = 0
+        with torch.no_grad():
+            unshifted = model(**task.inputs(batch)).logits[:, :-1].float()
+        assert (unshifted - logits).abs().max() > 0.1
     targets = batch["labels"][:, 1:]
     packed = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     learned = targets != IGNORE_INDEX

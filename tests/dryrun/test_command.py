@@ -199,7 +199,9 @@ def test_a_packed_plan_counts_the_rows_and_micro_batches_an_epoch_packs_into(
 ) -> None:
     """With --packing and data, the plan reads the training split and says how many rows of
     --seq-length tokens it packs into: best-fit decreasing over the samples' token counts
-    (each text and its end-of-sequence token), counted here from the tokenizer alone."""
+    (each text and its end-of-sequence token), counted here from the tokenizer alone; on two
+    data-parallel ranks, each rank's equal share. A model directory without a tokenizer is
+    still planned, the count left out with the reason."""
     import random
 
     from transformers import AutoTokenizer
@@ -225,7 +227,19 @@ def test_a_packed_plan_counts_the_rows_and_micro_batches_an_epoch_packs_into(
     assert max(lengths) <= 64 and sum(lengths) > 3 * 64  # none cut; several rows
     rows = len(best_fit_decreasing(lengths, 64))
     assert f"an epoch: train: 40 samples packed into {rows} rows of 64 tokens" in said
-    assert f"{-(-rows // 4)} micro-batches of 4 rows" in said
+    assert f"filled); {-(-rows // 4)} micro-batches of up to 4 rows\n" in said
+    assert main([*flags, "--dry-run-world-size", "2"]) == 0
+    said, share = capsys.readouterr().out, rows // 2
+    left = f" ({rows % 2} left out)" if rows % 2 else ""
+    assert (f"{share} rows in {-(-share // 4)} micro-batches of up to 4 rows on each of 2 "
+            f"data-parallel ranks{left}\n") in said  # fmt: skip
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((model / "config.json").read_text())
+    assert main([*flags, "--pretrained-model-name-or-path", str(bare)]) == 0
+    said = capsys.readouterr().out
+    assert "; an epoch:" not in said
+    assert "the rows an epoch packs into were not counted: holds no usable tokenizer" in said
 
 
 def test_the_planning_flags_without_a_dry_run_are_refused(

@@ -146,6 +146,35 @@ def test_packing_scores_the_same_tokens_as_padding(
     assert abs(packed["token_accuracy"] - padded["token_accuracy"]) <= 1e-3
 
 
+def test_a_packed_roberta_is_given_its_own_positions(tmp_path: Path) -> None:
+    """RoBERTa loaded for the causal LM counts positions from its padding id + 1: a packed
+    run gives them so (the Finetuner reads where from the model), and its validation loss is
+    the padded run's (the control in tests/data/test_packing.py shows what positions from 0
+    would cost)."""
+    import random
+
+    from rapidformer.testing.families import tiny_model
+
+    model_dir = tiny_model("roberta", tmp_path / "roberta", max_positions=64)
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "purred"]
+    data = tmp_path / "text"
+    data.mkdir()
+    for split, count in (("train", 24), ("validation", 8)):
+        texts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+                 for _ in range(count)]  # fmt: skip
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    flags = [
+        *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
+        *("--data-dir", str(data), "--seq-length", "64"),
+        *("--micro-batch-size", "2", "--lr", "1e-12", "--train-iters", "1"),
+        *("--eval-interval", "1", "--lr-warmup-fraction", "0"),
+    ]
+    assert main([*flags, "--save", str(tmp_path / "padded")]) == 0
+    assert main([*flags, "--packing", "--save", str(tmp_path / "packed")]) == 0
+    assert abs(_eval_loss(tmp_path / "packed") - _eval_loss(tmp_path / "padded")) <= 1e-5
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_packed_runs_resume_exactly_and_match_one_process_on_ddp_zero3_and_tp2(

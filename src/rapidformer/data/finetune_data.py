@@ -53,6 +53,16 @@ def load_splits(data_dir: str, data_name: str | None = None) -> dict[str, Datase
     return _from_hub(data_dir, data_name)
 
 
+def training_split(splits: dict[str, Dataset], data_dir: str) -> Dataset:
+    """The ``train`` split of ``splits`` (DataError naming what was found and the fix)."""
+    if "train" not in splits:
+        raise DataError(
+            f"{data_dir}: no training split (found: {', '.join(splits) or 'none'}). "
+            "Fix: add a file named train.jsonl (or .json, .csv, .parquet) beside the others"
+        )
+    return splits["train"]
+
+
 def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     import datasets
 

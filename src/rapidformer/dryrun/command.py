@@ -46,8 +46,10 @@ def run_dry_run(config: RapidformerConfig) -> DryRunReport:
     extra = trainer.config_violations(config)
     validate(config, world_size, extra=extra, on_this_machine=False)
     warnings: list[str] = []
-    workload = pretraining_workload if pretraining else finetuning_workload
-    work, model = workload(config, warnings)
+    if pretraining:
+        work, model = pretraining_workload(config, warnings)
+    else:
+        work, model = finetuning_workload(config, warnings, world_size)
     report = dry_run(
         config,
         world_size,

@@ -32,8 +32,11 @@ from rapidformer.dryrun.estimate import Workload
 from rapidformer.errors import ConfigError
 
 
-def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple[Workload, str]:
-    """The causal LM the flags describe, on the micro-batch a step of it runs."""
+def finetuning_workload(
+    config: RapidformerConfig, warnings: list[str], world_size: int = 1
+) -> tuple[Workload, str]:
+    """The causal LM the flags describe, on the micro-batch a step of it runs (packed: and
+    the rows an epoch gives each of the ``world_size`` ranks' data-parallel shares)."""
     from rapidformer.templates.architectures import model_kwargs_for
     from rapidformer.templates.finetuner import DEFAULT_SEQ_LENGTH
 
@@ -67,33 +70,48 @@ def finetuning_workload(config: RapidformerConfig, warnings: list[str]) -> tuple
     if data_dir is not None and not Path(data_dir).exists():
         warnings.append(f"--data-dir: {data_dir} does not exist (a real run would stop there)")
     elif data_dir is not None and config.data.packing:
-        description += f"; an epoch: {packed_epoch(config, path, seq)}"
+        parallel = config.parallel
+        shares = world_size // (
+            parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+        )
+        try:
+            description += f"; an epoch: {packed_epoch(config, path, seq, max(1, shares))}"
+        except ConfigError as exc:  # the tokenizer: the plan of the model stands without it
+            reason = "; ".join(v.rule for v in exc.violations)
+            if config.model.trust_remote_code:
+                reason = "its tokenizer runs code of its own, which a dry run never runs"
+            warnings.append(f"--data-dir: the rows an epoch packs into were not counted: {reason}")
     return work, description
 
 
-def packed_epoch(config: RapidformerConfig, path: str, seq: int) -> str:
+def packed_epoch(config: RapidformerConfig, path: str, seq: int, data_parallel: int) -> str:
     """The training split packed into rows of ``seq`` tokens as the run packs it (the task's
-    rendering, truncation and best-fit decreasing): its rows, and the micro-batches of
-    ``--micro-batch-size`` rows they make, shared by the data-parallel ranks."""
-    from rapidformer.data.finetune_data import load_splits
-    from rapidformer.errors import DataError
+    rendering, truncation and best-fit decreasing, from the tokenizer's files: no code runs),
+    and what each of the ``data_parallel`` shares takes of them, as the sampler deals them: an
+    equal number of rows (the rest left out of the epoch), in micro-batches of
+    ``--micro-batch-size`` rows. The data's errors are raised as the run raises them."""
+    from rapidformer.data.finetune_data import load_splits, training_split
     from rapidformer.models.hf import load_tokenizer
     from rapidformer.templates.tasks import CausalLM
     from rapidformer.templates.tasks.supervised import options_of, packed
 
     data = config.data
     assert data.data_dir is not None
-    splits = load_splits(data.data_dir, data.data_name)
-    if "train" not in splits:
-        raise DataError(f"{data.data_dir}: no training split, which the run would pack")
-    tokenizer = load_tokenizer(path, trust_remote_code=False)  # a plan runs no model code
+    train = training_split(load_splits(data.data_dir, data.data_name), data.data_dir)
+    tokenizer = load_tokenizer(path, trust_remote_code=False)
     options = options_of(config)
     if options.chat_template is not None:
         tokenizer.chat_template = options.chat_template
     task = CausalLM(tokenizer, seq, config.training.seed, chat=options)
-    rows = packed(task.prepare(splits["train"], "train"), seq)
-    micro = data.micro_batch_size
-    return f"{rows.extra['notes'][-1]}, {-(-len(rows) // micro)} micro-batches of {micro} rows"
+    rows = packed(task.prepare(train, "train"), seq)
+    micro, share = data.micro_batch_size, len(rows) // data_parallel
+    steps = f"{-(-share // micro)} micro-batches of up to {micro} rows"
+    if data_parallel > 1:
+        left = len(rows) - share * data_parallel
+        steps = f"{share} rows in {steps} on each of {data_parallel} data-parallel ranks" + (
+            f" ({left} left out)" if left else ""
+        )
+    return "; ".join([*rows.extra["notes"], steps])
 
 
 def causal_lm_workload(

@@ -44,7 +44,7 @@ from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.packing import PackedCollate, position_offset
 from rapidformer.distributed import process_group
-from rapidformer.errors import DataError, Violation
+from rapidformer.errors import Violation
 from rapidformer.logging import log
 from rapidformer.models.hf import (
     PRETRAINED_FLAG,
@@ -266,16 +266,12 @@ class Finetuner(Trainer):
         return model
 
     def build_data(self) -> DataBundle:
-        from rapidformer.data.finetune_data import load_splits
+        from rapidformer.data.finetune_data import load_splits, training_split
 
         data = self.config.data
         assert data.data_dir is not None
         splits = load_splits(data.data_dir, data.data_name)
-        if "train" not in splits:
-            raise DataError(
-                f"{data.data_dir}: no training split (found: {', '.join(splits) or 'none'}). "
-                "Fix: add a file named train.jsonl (or .json, .csv, .parquet) beside the others"
-            )
+        training_split(splits, data.data_dir)
         # The training split first: it defines the label set the others are checked against.
         prepared = {
             name: self.task.prepare(splits[name], name)
