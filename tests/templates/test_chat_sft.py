@@ -151,19 +151,11 @@ def test_a_packed_roberta_is_given_its_own_positions(tmp_path: Path) -> None:
     run gives them so (the Finetuner reads where from the model), and its validation loss is
     the padded run's (the control in tests/data/test_packing.py shows what positions from 0
     would cost)."""
-    import random
-
     from rapidformer.testing.families import tiny_model
+    from rapidformer.testing.finetune import task_dataset
 
     model_dir = tiny_model("roberta", tmp_path / "roberta", max_positions=64)
-    rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "purred"]
-    data = tmp_path / "text"
-    data.mkdir()
-    for split, count in (("train", 24), ("validation", 8)):
-        texts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
-                 for _ in range(count)]  # fmt: skip
-        (data / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data = task_dataset("causal_lm", tmp_path / "text", train=24, validation=8)
     flags = [
         *("--task", "causal_lm", "--pretrained-model-name-or-path", str(model_dir)),
         *("--data-dir", str(data), "--seq-length", "64"),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed.dims import ParallelDims
 from rapidformer.dryrun.estimate import Workload
 from rapidformer.errors import ConfigError
 
@@ -71,16 +72,19 @@ def finetuning_workload(
         warnings.append(f"--data-dir: {data_dir} does not exist (a real run would stop there)")
     elif data_dir is not None and config.data.packing:
         parallel = config.parallel
-        shares = world_size // (
-            parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+        dims = ParallelDims(
+            world_size,
+            tp=parallel.tensor_model_parallel_size,
+            pp=parallel.pipeline_model_parallel_size,
         )
         try:
-            description += f"; an epoch: {packed_epoch(config, path, seq, max(1, shares))}"
+            description += f"; an epoch: {packed_epoch(config, path, seq, dims.dp)}"
         except ConfigError as exc:  # the tokenizer: the plan of the model stands without it
             reason = "; ".join(v.rule for v in exc.violations)
-            if config.model.trust_remote_code:
-                reason = "its tokenizer runs code of its own, which a dry run never runs"
-            warnings.append(f"--data-dir: the rows an epoch packs into were not counted: {reason}")
+            warnings.append(
+                "--data-dir: the rows an epoch packs into were not counted (a plan loads the "
+                f"tokenizer without running code): {reason}"
+            )
     return work, description
 
 

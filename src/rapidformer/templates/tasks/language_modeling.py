@@ -187,10 +187,13 @@ class CausalLM(LanguageModeling):
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "packed_samples" in batch:  # --packing: each sample attends to itself only
+            positions = batch["position_ids"]
+            if self.position_offset:  # a RoBERTa's (else no extra tensor each step)
+                positions = positions + self.position_offset
             inputs = {
                 "input_ids": batch["input_ids"],
                 "attention_mask": packed_mask(batch["packed_samples"]),
-                "position_ids": batch["position_ids"] + self.position_offset,
+                "position_ids": positions,
             }
             if self.per_sample_attention:
                 inputs["packed_samples"] = batch["packed_samples"]
