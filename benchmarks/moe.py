@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from common import argument_parser, stamp, write_results
 
 from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.models.moe import GroupedExperts
 from rapidformer.step_io import StepFunctions
 from rapidformer.testing import MarkovLMDataset, lm_tokens, pad_collate
-from rapidformer.testing.tiny import IGNORE_INDEX
 
 SEQ, BATCH, EXPERTS, TOPK = 64, 16, 8, 2
 DENSE = GPTConfig(

@@ -100,7 +100,7 @@ def run_one(
         final_loss = result.loss  # reads the host: the step is done when this returns
         if index >= 2:
             times.append(time.perf_counter() - started)
-    from rapidformer.logging import peak_memory_bytes
+    from rapidformer.memory import peak_memory_bytes
 
     engine.close()
     return {

@@ -62,7 +62,7 @@ def test_every_bad_input_says_the_same_through_a_scripts_fit(
     inputs: Inputs, tmp_path: Path
 ) -> None:
     """A user's script whose fit() (or the flags, the script's Trainer) fails: the same one
-    message and exit code as the command, no traceback (rapidformer.reporting's hook)."""
+    message and exit code as the command, no traceback (rapidformer.fatal's hook)."""
 
     def job(index: int, case: Case) -> Callable[[], list[str]]:
         def run() -> list[str]:

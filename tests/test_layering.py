@@ -1,7 +1,11 @@
 """The house rules a maintainer relies on, checked on the code itself.
 
-* Imports flow one way (config -> distributed -> state -> step -> accel -> engine ->
-  templates), and the engine and the Trainer's loop hold no backend-specific branches:
+* Imports flow one way, down the tiers of :data:`TIERS` (config -> distributed -> state ->
+  step -> accel -> engine -> templates ...), counting imports inside functions and under
+  TYPE_CHECKING; no module imports itself through others; an import inside a function sits
+  only where :data:`LAZY_IMPORTS` says why; adapters are named only in their package (and in
+  the schema, the order and the accel package's table). The engine and the Trainer's loop
+  hold no backend-specific branches:
   backends arrive through the train state's slots, registered in engine/order.py only.
 * Each acceleration refuses only its own flags (what it cannot run with is in its own
   module), and every flag has at most one owner.
@@ -16,6 +20,7 @@ import importlib
 import itertools
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,61 +36,232 @@ SRC = ROOT / "src" / "rapidformer"
 TESTS = ROOT / "tests"
 
 
-def _imports(path: Path) -> set[str]:
-    """Every rapidformer module ``path`` imports, TYPE_CHECKING imports included."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {name for name in found if name.startswith("rapidformer")}
-
-
 def _files(folder: str) -> list[Path]:
     return sorted((SRC / folder).rglob("*.py")) if (SRC / folder).is_dir() else [SRC / folder]
 
 
-@pytest.mark.parametrize(
-    ("folder", "forbidden"),
-    [
-        ("accel", ("rapidformer.engine", "rapidformer.templates", "rapidformer.checkpoint")),
-        (
-            "step",
-            (
-                "rapidformer.accel",
-                "rapidformer.engine",
-                "rapidformer.templates",
-                "rapidformer.checkpoint",
-            ),
-        ),
-        ("config", ("rapidformer.distributed", "rapidformer.accel", "rapidformer.engine")),
-        ("distributed", ("rapidformer.accel", "rapidformer.engine", "rapidformer.templates")),
-        ("state.py", ("rapidformer.step.", "rapidformer.accel", "rapidformer.engine")),
-        ("step_io.py", ("rapidformer.state", "rapidformer.step.", "rapidformer.accel")),
-        ("checkpoint", ("rapidformer.engine", "rapidformer.templates")),
-        ("models", ("rapidformer.step.", "rapidformer.accel", "rapidformer.engine")),
-        (
-            "reliability",
-            (
-                "rapidformer.step.",
-                "rapidformer.accel",
-                "rapidformer.engine",
-                "rapidformer.templates",
-                "rapidformer.checkpoint",
-            ),
-        ),
-    ],
+TIERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "quiet", "seeding", "hardware", "log", "labels", "hub"),
+    ("config",),
+    ("distributed",),
+    ("threads", "schedules", "memory", "launcher", "fatal", "safe_load", "reliability"),
+    ("workers", "models", "data"),
+    ("flops", "step_io"),
+    ("trackers", "state"),
+    ("step",),
+    ("accel", "checkpoint"),
+    ("engine",),
+    ("templates",),
+    ("dryrun", "export", "compat"),
+    ("__init__",),
+    ("cli", "testing"),
+    ("__main__",),
 )
-def test_nothing_imports_backwards(folder: str, forbidden: tuple[str, ...]) -> None:
-    for path in _files(folder):
-        bad = {name for name in _imports(path) if name.startswith(forbidden)}
-        assert not bad, f"{path.relative_to(SRC)} imports {sorted(bad)}"
+"""Every package and top-level module of ``src/rapidformer``, bottom first. An import runs to a
+strictly lower tier or stays inside its own place: two places of one tier never import each
+other, and nothing imports upward."""
+
+LAZY_IMPORTS: dict[str, str] = {
+    "cli.py": "`rapidformer --help` and a mistyped flag answer before torch is imported",
+    "workers.py": "the launcher's flags are checked before torch.distributed is imported",
+    "fatal.py": "it runs while another error is reported: a launch variable it cannot read, "
+    "or a store it cannot reach, must not raise a second error at import",
+    "launcher.py": "a notebook imports `launch` without torch.distributed",
+    "templates/families/base.py": "transformers is imported only when a model is exported",
+    "testing/": "each helper for tests, demos and benchmarks loads only what it needs",
+}
+"""Where an import of rapidformer's own code may sit inside a function, and why (imports of
+optional packages, such as deepspeed or torchao, are not counted)."""
 
 
-@pytest.mark.parametrize("leaf", ["config/schema.py", "distributed/dims.py"])
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in SRC.rglob("*.py")}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import of rapidformer's code: the module it names, where, and whether it runs when
+    the module is imported (an ``if TYPE_CHECKING`` block counts as top level)."""
+
+    target: str
+    line: int
+    top_level: bool
+
+
+def _resolve(name: str) -> str:
+    """The module ``name`` lives in (``rapidformer.a.b.Name`` -> ``rapidformer.a.b``)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> list[Import]:
+    """Every import of rapidformer's code in ``source`` (the text of ``module``): at the top,
+    under ``if TYPE_CHECKING``, or inside a function."""
+    tree = ast.parse(source)
+    scoped = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    top = {id(n) for node in tree.body if not isinstance(node, scoped) for n in ast.walk(node)}
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            if name == "rapidformer" or name.startswith("rapidformer."):
+                found.append(Import(_resolve(name), node.lineno, id(node) in top))
+    return found
+
+
+def _graph() -> dict[str, list[Import]]:
+    graph = {}
+    for module, path in MODULES.items():
+        found = imports_of(path.read_text(), module, path.name == "__init__.py")
+        graph[module] = [i for i in found if i.target != module]
+    return graph
+
+
+def _place(module: str) -> str:
+    """The package or top-level module ``module`` belongs to (``__init__``: the package's
+    own face)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _tier(place: str) -> int:
+    return next(i for i, tier in enumerate(TIERS) if place in tier)
+
+
+def test_every_place_has_one_tier() -> None:
+    places = {_place(m) for m in MODULES}
+    tiered = [place for tier in TIERS for place in tier]
+    assert len(tiered) == len(set(tiered)), "a place stands in two tiers"
+    assert places == set(tiered), f"untiered: {places - set(tiered)}, gone: {set(tiered) - places}"
+
+
+def test_every_import_runs_down_the_tiers() -> None:
+    """Function-level and TYPE_CHECKING imports included: an import that runs late still ties
+    the two places together."""
+    upward = [
+        f"{MODULES[module].relative_to(SRC)}:{i.line} imports {i.target}"
+        for module, found in _graph().items()
+        for i in found
+        if _place(i.target) != _place(module) and _tier(_place(i.target)) >= _tier(_place(module))
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No circle between modules, inside a place or across places, function-level imports
+    included."""
+    graph = {module: {i.target for i in found} for module, found in _graph().items()}
+    assert circles(graph) == []
+
+
+def test_the_import_checks_see_what_they_claim_to_see() -> None:
+    """The checks above would catch a late import, an upward one and a circle (they are not
+    vacuous)."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from rapidformer.state import TrainState\n"
+        "def f():\n    from rapidformer.engine import order\n"
+    )
+    found = imports_of(source, "rapidformer.models.gpt")
+    assert sorted((i.target, i.top_level) for i in found) == [
+        ("rapidformer.engine.order", False),
+        ("rapidformer.state", True),
+    ]
+    assert _tier(_place("rapidformer.engine.order")) > _tier(_place("rapidformer.models.gpt"))
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_rapidformer_imports_sit_inside_functions_only_where_listed() -> None:
+    """Imports run at the top of a module, where the reader looks for them, unless the file
+    is listed with the reason it must import late."""
+
+    def listed(path: str) -> bool:
+        return any(path == item or (item.endswith("/") and path.startswith(item))
+                   for item in LAZY_IMPORTS)  # fmt: skip
+
+    late = [
+        f"{path}:{i.line} imports {i.target}"
+        for module, found in _graph().items()
+        if not listed(path := MODULES[module].relative_to(SRC).as_posix())
+        for i in found
+        if not i.top_level
+    ]
+    assert not late, "\n".join(late)
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    ["config/schema.py", "distributed/dims.py", "errors.py", "log.py", "labels.py", "hub.py"],
+)
 def test_leaves_import_nothing_of_rapidformer(leaf: str) -> None:
-    assert _imports(SRC / leaf) == set()
+    path = SRC / leaf
+    assert imports_of(path.read_text(), _module(path)) == []
+
+
+ADAPTERS_NAMED = {"config/schema.py", "engine/order.py", "accel/__init__.py"}
+"""Files outside ``accel/lora/`` that may name LoRA: the schema of its flags, its place in the
+order (and the export registry there), and the accel package's table of its features."""
+
+
+def test_adapters_live_in_their_package() -> None:
+    """Everything else reaches adapters through the frozen base's slot
+    (:class:`rapidformer.state.BaseAdditions`) and the export registry, never by name."""
+    naming = {
+        path.relative_to(SRC).as_posix()
+        for path in SRC.rglob("*.py")
+        if "lora" not in path.relative_to(SRC).parts and "lora" in path.read_text().lower()
+    }
+    assert naming <= ADAPTERS_NAMED, sorted(naming - ADAPTERS_NAMED)
 
 
 def test_the_engine_and_the_loop_name_no_backend_except_where_they_are_chosen() -> None:

@@ -21,7 +21,7 @@ def reset_memory(device: torch.device) -> None:
 
 
 def peak_mb(device: torch.device) -> float:
-    from rapidformer.logging import peak_memory_bytes
+    from rapidformer.memory import peak_memory_bytes
 
     return peak_memory_bytes(device) / 2**20
 

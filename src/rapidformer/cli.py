@@ -28,8 +28,8 @@ from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError, RapidformerError, Violation
+from rapidformer.fatal import report, report_uncaught
 from rapidformer.quiet import quiet_third_parties
-from rapidformer.reporting import report, report_uncaught
 from rapidformer.workers import run_local_workers, split_launch
 
 # torch loads only once the flags have parsed: `rapidformer --help` and a bad flag answer in a
@@ -174,7 +174,7 @@ def checked_trainer_class(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit code (see ``rapidformer.errors.EXIT_CODES``)."""
-    from rapidformer.logging import setup_console_logging
+    from rapidformer.log import setup_console_logging
 
     setup_console_logging()
     args = list(sys.argv[1:] if argv is None else argv)

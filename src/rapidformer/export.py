@@ -1,14 +1,15 @@
 """Export a checkpoint to Hugging Face format:
-``python -m rapidformer.export CHECKPOINT OUT_DIR [--merge-lora] [--vocab-file F --merge-file F]``.
+``python -m rapidformer.export CHECKPOINT OUT_DIR [MERGE] [--vocab-file F --merge-file F]``.
 
 CHECKPOINT is a ``--save`` directory (its ``latest`` checkpoint is used) or one ``iter_*``
 directory. For a pretraining checkpoint OUT_DIR then holds ``config.json``, the weights and the
 tokenizer, ready for ``transformers.AutoModelForCausalLM`` (GPT) or
-``BertForPreTraining.from_pretrained`` (BERT). For a checkpoint of adapters (``--lora-rank``)
-it holds PEFT's adapter directory (``PeftModel.from_pretrained(base, OUT_DIR)``), or with
-``--merge-lora`` the base model with the adapters folded into its weights (a plain Hugging Face
-model directory, the base read from where the run read it: the Hugging Face directory, or for
-the built-in GPT and BERT their ``--pretrained-checkpoint``, exported as above).
+``BertForPreTraining.from_pretrained`` (BERT). For a checkpoint of adapters on a frozen base it
+holds the adapters' own directory (PEFT's: ``PeftModel.from_pretrained(base, OUT_DIR)``), or with
+their merge flag (MERGE, :data:`rapidformer.engine.order.FROZEN_BASE_EXPORT`) the base model
+with the adapters folded into its weights (a plain Hugging Face model directory, the base read
+from where the run read it: the Hugging Face directory, or for the built-in GPT and BERT their
+``--pretrained-checkpoint``, exported as above).
 
 The tokenizer is read from the files the run named (its config, in ``progress.json``). Where they
 have moved since, ``--vocab-file`` and ``--merge-file`` name their new place; the checkpoint is
@@ -27,12 +28,12 @@ from typing import Any
 from torch import nn
 
 from rapidformer import safe_load
-from rapidformer.accel.lora.saving import export_adapter, merge_into
 from rapidformer.checkpoint import PROGRESS, consolidated_model_state, find_checkpoint
 from rapidformer.checkpoint.directory import read_progress
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.schema import DataConfig
 from rapidformer.data.tokenizers import build_tokenizer, is_bert
+from rapidformer.engine.order import FROZEN_BASE_EXPORT as ADDITIONS
 from rapidformer.errors import CheckpointError, ConfigError, exit_code_of
 from rapidformer.templates.families import family_for
 
@@ -42,17 +43,18 @@ def export_checkpoint(
     out_dir: str | Path,
     *,
     trust_checkpoint: bool = False,
-    merge_lora: bool = False,
+    merge_adapters: bool = False,
     vocab_file: str | None = None,
     merge_file: str | None = None,
 ) -> Path:
     """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``
     (safetensors), or a checkpoint's adapters (see the module docstring). Its files are scanned
     before they are unpickled unless ``trust_checkpoint`` (see :mod:`rapidformer.safe_load`).
+    ``merge_adapters``: a checkpoint of adapters merged into its base.
     ``vocab_file`` and ``merge_file``: the tokenizer's files where they are now, in place of
     those the run named."""
     with safe_load.trusting(trust_checkpoint):
-        return _export(checkpoint, out_dir, merge_lora, TokenizerFiles(vocab_file, merge_file))
+        return _export(checkpoint, out_dir, merge_adapters, TokenizerFiles(vocab_file, merge_file))
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class TokenizerFiles:
 
 
 def _export(
-    checkpoint: str | Path, out_dir: str | Path, merge_lora: bool, files: TokenizerFiles
+    checkpoint: str | Path, out_dir: str | Path, merge: bool, files: TokenizerFiles
 ) -> Path:
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise CheckpointError(
@@ -102,12 +104,12 @@ def _export(
     adapters = record.get("frozen_base")
     config = RapidformerConfig.from_dict(record["config"])
     built_in = config.data.tokenizer_type is not None  # the Pretrainer's GPT or BERT
-    if adapters is not None and not (merge_lora and built_in):
-        return export_adapter(
-            adapters, consolidated_model_state(path), out_dir, merge_lora=merge_lora
+    if adapters is not None and not (merge and built_in):
+        return ADDITIONS.write(adapters, consolidated_model_state(path), Path(out_dir), merge)
+    if merge and adapters is None:
+        raise CheckpointError(
+            f"{path} holds no adapters (it was not trained with them): drop {ADDITIONS.merge_flag}"
         )
-    if merge_lora and adapters is None:
-        raise CheckpointError(f"{path} holds no adapters (it was not trained with --lora-rank)")
     data = config.data
     if data.tokenizer_type is None or data.vocab_file is None:
         raise CheckpointError(
@@ -125,10 +127,10 @@ def _export(
             raise CheckpointError(
                 f"cannot merge: the base the adapters were trained on ({adapters['source']}, "
                 "their --pretrained-checkpoint) holds no checkpoint here; copy it back there, "
-                "or export the adapter without --merge-lora"
+                f"or export the adapter without {ADDITIONS.merge_flag}"
             )
         model.load_state_dict(consolidated_model_state(base))
-        merge_into(model, adapters, consolidated_model_state(path))
+        ADDITIONS.merge_into(model, adapters, consolidated_model_state(path))
     return family.export(model, out_dir, tokenizer)
 
 
@@ -156,10 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="unpickle the checkpoint's files without the allowlist scan (a trusted source only)",
     )
     parser.add_argument(
-        "--merge-lora",
-        action="store_true",
-        help="a checkpoint of adapters: write the base with the adapters folded in (a plain "
-        "Hugging Face model) instead of PEFT's adapter directory",
+        ADDITIONS.merge_flag, dest="merge_adapters", action="store_true", help=ADDITIONS.merge_help
     )
     for flag, what in (("--vocab-file", "vocabulary"), ("--merge-file", "BPE merges")):
         parser.add_argument(
@@ -173,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.checkpoint,
             args.out_dir,
             trust_checkpoint=args.trust_checkpoint,
-            merge_lora=args.merge_lora,
+            merge_adapters=args.merge_adapters,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
         )

@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rapidformer.models.bert import BertConfig
+from rapidformer.models.gpt import GPTConfig
+
 GATED_MLP_ACTIVATIONS = ("silu", "swish", "swiglu", "geglu", "gated-gelu", "gated-silu")
 
 
@@ -90,8 +93,6 @@ def flop_shape(model: Any) -> FlopShape | None:
     """The shape of ``model`` (rapidformer's GPT/BERT, a Hugging Face model, or either's
     config); None for a model of unknown shape."""
     config = getattr(model, "config", model)
-    from rapidformer.models.bert import BertConfig
-    from rapidformer.models.gpt import GPTConfig
 
     if isinstance(config, GPTConfig | BertConfig):
         return _builtin(config)
@@ -101,7 +102,6 @@ def flop_shape(model: Any) -> FlopShape | None:
 
 
 def _builtin(config: Any) -> FlopShape:
-    from rapidformer.models.bert import BertConfig
 
     hidden, ffn, moe = config.hidden_size, config.ffn_size, config.moe
     bert = isinstance(config, BertConfig)

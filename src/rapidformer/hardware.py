@@ -4,8 +4,8 @@ be slower than fp32 on it.
 
 GPUs: a table of dense (no sparsity) tensor-core peaks by device name, from the vendors' data
 sheets; fp32 counts TF32 when torch allows it (``torch.set_float32_matmul_precision``). CPUs
-differ too much for a table (an AVX2-only Xeon ran bf16 about 6x slower than fp32, an EPYC
-with avx512_bf16 2.6x faster): a short matrix-multiply probe measures this one, and its rate
+differ too much for a table (bf16 is several times slower than fp32 on an AVX2-only CPU and
+faster on one with avx512_bf16): a short matrix-multiply probe measures this one, and its rate
 stands in for the peak. ``--peak-tflops`` overrides both.
 """
 
@@ -125,11 +125,11 @@ def precision_support(device: torch.device, precision: str) -> tuple[str, str | 
     if precision == "bf16" and not _fast_bf16(features):
         return text, (
             "bf16 has no hardware support on this CPU (no avx512_bf16 or AMX): expect it "
-            "slower than fp32 (6x was measured on an AVX2-only Xeon)"
+            "slower than fp32 (benchmarks/precision.py measures it)"
         )
     if precision == "fp16" and "amx_fp16" not in features:
-        # avx512_fp16 alone did not help: fp16 ran at 0.85-0.90x of fp32 on a Xeon that has it
-        # (benchmarks/precision.py), so only AMX-FP16 counts as a fast path.
+        # avx512_fp16 alone does not make fp16 faster than fp32 (benchmarks/precision.py), so
+        # only AMX-FP16 counts as a fast path.
         has = "avx512_fp16 but no AMX-FP16" if "avx512_fp16" in features else "no AMX-FP16"
         better = " (--precision bf16 is faster here)" if _fast_bf16(features) else ""
         return text, (

@@ -3,13 +3,16 @@
 Counted from the tensors themselves: a sharded (DTensor) parameter counts its local shard, a
 ZeroRedundancyOptimizer counts the state of its own partition only. :func:`expected_bytes`
 predicts, before the first step, what the rank will hold once gradients and optimizer state
-exist, next to what plain DDP would hold.
+exist, next to what plain DDP would hold. :func:`peak_memory_bytes` is what the process used at
+its peak, as the log reports it.
 """
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -121,3 +124,17 @@ def describe(held: StateBytes, ddp: StateBytes) -> str:
         )
         + " of what plain DDP holds per rank (the whole, unsplit model)"
     )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated, or this process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    # The memory's high-water mark: ru_maxrss would keep, for a process started by fork and
+    # exec, the resident set its parent had when it forked.
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

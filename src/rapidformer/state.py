@@ -28,25 +28,29 @@ write the records, the engine and templates call them, and neither imports the o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from rapidformer.distributed.mesh import ParallelMesh
-from rapidformer.step_io import FinishedGradients, StepFunctions, StepOutcome
+from rapidformer.step_io import FinishedGradients, StepFunctions, StepResult
 
 if TYPE_CHECKING:
     from rapidformer.memory import StateBytes
     from rapidformer.reliability.guard import Decision
+
+
+Tensors = Mapping[str, torch.Tensor]
+"""Tensors by name (a state dict, or part of one)."""
 
 
 @dataclass(frozen=True)
@@ -206,9 +210,10 @@ class Stepper(Protocol):
         ...
 
     def update(
-        self, state: TrainState, gradients: FinishedGradients, decision: Decision
-    ) -> StepOutcome:
-        """Apply the update, or skip it where ``decision`` says so."""
+        self, state: TrainState, gradients: FinishedGradients, decision: Decision, totals: Tensor
+    ) -> StepResult:
+        """Apply the update, or skip it where ``decision`` says so; the result carries the
+        step's loss from ``totals`` (see :meth:`StepResult.of`)."""
         ...
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
@@ -290,26 +295,95 @@ class GradientSync:
     """... and then divided by it (the ep degree)."""
 
 
+class BaseAdditions(Protocol):
+    """What code that knows only a model's base asks of the parameters a feature added onto
+    its layers (adapters). Tensor parallelism, materialising a
+    meta-device model, ``--pretrained-checkpoint`` and the Finetuner's final save reach them
+    through it, never by importing the feature."""
+
+    def owns(self, name: str) -> bool:
+        """Whether the state-dict key ``name`` is an added parameter's (no base holds one)."""
+        ...
+
+    def base_only(self, module: nn.Module) -> AbstractContextManager[object]:
+        """Within the block ``module`` holds its base alone: code that splits or initialises
+        the base sees no added parameter. They are put back after."""
+        ...
+
+    def follow_split(self, module: nn.Module) -> None:
+        """Lay the added parameters out as the base layers were just split (tensor
+        parallelism, which ran under :meth:`base_only`)."""
+        ...
+
+    def start(self, module: nn.Module) -> None:
+        """Give the added parameters their first values, on the base now in place."""
+        ...
+
+    def save(self, base: FrozenBase, full_state: Tensors, out_dir: Path) -> Path:
+        """Write what the run trained, as the feature's own directory (rank 0; ``full_state``
+        is the gathered model state)."""
+        ...
+
+
+class FrozenBaseExport(Protocol):
+    """How ``python -m rapidformer.export`` writes a checkpoint whose model is a frozen base
+    with added parameters: the additions alone in their own format, or merged into the base
+    with the feature's merge flag (:data:`rapidformer.engine.order.FROZEN_BASE_EXPORT`)."""
+
+    @property
+    def merge_flag(self) -> str:
+        """The export's flag that merges the additions into the base."""
+        ...
+
+    @property
+    def merge_help(self) -> str:
+        """What ``--help`` says of it."""
+        ...
+
+    def write(
+        self, record: Mapping[str, Any], trained: Tensors, out_dir: Path, merge: bool
+    ) -> Path:
+        """Write the checkpoint's additions (``trained``: its model state; ``record``: its
+        ``frozen_base`` record), merged into the base they name where ``merge``."""
+        ...
+
+    def merge_into(self, model: nn.Module, record: Mapping[str, Any], trained: Tensors) -> None:
+        """Fold the additions into ``model``, which holds the base they were trained on."""
+        ...
+
+
 @dataclass(frozen=True)
 class FrozenBase:
-    """A run that trains adapters on a frozen base (``--lora-rank``). Written by
-    ``apply_lora``, and by ``--pretrained-checkpoint`` where the base comes from (a model built
-    on the meta device has its base only then); checkpoints write only ``trainable`` and record
-    the base by its fingerprint."""
+    """A run that trains parameters added onto a frozen base (adapters). Written by the
+    feature that adds them, and by ``--pretrained-checkpoint`` where the base comes from (a
+    model built on the meta device has its base only then); checkpoints write only
+    ``trainable`` and record the base by its fingerprint."""
 
     trainable: frozenset[str]
-    """Names of the parameters that train (adapters and modules trained in full)."""
+    """Names of the parameters that train (the added ones and modules trained in full)."""
     fingerprint: str
-    """SHA-256 of the base's parameters before adapters ("" in a dry run, and until
+    """SHA-256 of the base's parameters before the additions ("" in a dry run, and until
     ``--pretrained-checkpoint`` is read)."""
     source: str
     """Where the base came from (its directory, else its class)."""
+    additions: BaseAdditions
+    """The feature's side of it (see :class:`BaseAdditions`)."""
     adapter_config: dict[str, Any] = field(default_factory=dict)
-    """The adapters as PEFT's ``adapter_config.json`` says them (targets as paths): written
-    beside the adapter's tensors and into each checkpoint's record."""
+    """The additions as their own format says them (PEFT's ``adapter_config.json`` for
+    adapters): written beside their tensors and into each checkpoint's record."""
+    defining_keys: tuple[str, ...] = ()
+    """The keys of ``adapter_config`` that decide what the additions compute: a resume must
+    agree on each."""
     model_config: dict[str, Any] = field(default_factory=dict)
     """The Hugging Face config the run's model had (labels, ``is_decoder``, a pad id the run
     set), {} for another model: a merged export is built with it."""
+
+
+def base_alone(state: TrainState, module: nn.Module) -> AbstractContextManager[object]:
+    """``module`` with its base alone while the block runs (see :class:`BaseAdditions`); a
+    run without additions changes nothing."""
+    base = state.frozen_base
+    return base.additions.base_only(module) if base is not None else nullcontext()
 
 
 @dataclass
@@ -345,7 +419,7 @@ class TrainState:
     gradient_sync: GradientSync = field(default_factory=GradientSync)
     checkpoint_format: CheckpointFormat | None = None
     frozen_base: FrozenBase | None = None
-    """Adapters on a frozen base (``--lora-rank``): what checkpoints write and check."""
+    """Parameters added onto a frozen base (adapters): what checkpoints write and check."""
     plan: list[PlanStep] = field(default_factory=list)
     model_parts: list[nn.Module] = field(default_factory=list)
     moe: RoutingControl = field(default_factory=NoRouting)
@@ -353,7 +427,7 @@ class TrainState:
     without --num-experts."""
     monitors: list[StepMonitor] = field(default_factory=list)
     """Watchers the engine calls after every step (compile's graph count and fallbacks)."""
-    _frozen_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
+    _settled_parameters: list[nn.Parameter] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model_parts:
@@ -372,17 +446,17 @@ class TrainState:
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of ``model_parts`` as the accelerations left them: what gradients
         accumulate on, clipping reads and checkpoints inspect. While compose() runs they are
-        read afresh (each step may replace them); :meth:`freeze_parameters` then keeps them,
+        read afresh (each step may replace them); :meth:`settle_parameters` then keeps them,
         because FSDP2 swaps unsharded copies into the modules for a forward (and, without
         resharding after forward, leaves them there until the next backward)."""
-        if self._frozen_parameters is not None:
-            return self._frozen_parameters
+        if self._settled_parameters is not None:
+            return self._settled_parameters
         return [p for part in self.model_parts for p in part.parameters()]
 
-    def freeze_parameters(self) -> None:
+    def settle_parameters(self) -> None:
         """Keep the parameters as they are now (compose() calls it once every acceleration
         is applied)."""
-        self._frozen_parameters = [p for part in self.model_parts for p in part.parameters()]
+        self._settled_parameters = [p for part in self.model_parts for p in part.parameters()]
 
 
 def loss_context(state: TrainState) -> AbstractContextManager[Any]:

@@ -1,12 +1,11 @@
 """CPU threads per rank: the machine's cores shared by the job's processes on it.
 
 torch starts each process with a thread per core. Several ranks on one machine then run several
-threads per core between them, and on a CPU machine every matrix product waits for the others
-(measured here: a 2-core machine shared with other jobs ran a tiny model at 410-485 samples/s
-with torch's default and at 792-1,481 with one thread). The engine gives each rank torch's
-count divided by the local ranks, unless the choice was made already: ``OMP_NUM_THREADS`` in
-the environment (torchrun sets 1 per worker; ``rapidformer --nproc-per-node`` sets the cores'
-share), or the program's own ``torch.set_num_threads``. The run's plan says which.
+threads per core between them, and on a CPU machine every matrix product waits for the others.
+The engine gives each rank torch's count divided by the local ranks, unless the choice was made
+already: ``OMP_NUM_THREADS`` in the environment (torchrun sets 1 per worker; ``rapidformer
+--nproc-per-node`` sets the cores' share), or the program's own ``torch.set_num_threads``. The
+run's plan says which.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ lines) and exits 1, whatever the worker reported. This runs torchrun's own agent
   message and exit 2, and no process is started;
 * gives each worker its share of the cores (``OMP_NUM_THREADS``, unless set);
 * when a worker fails, leaves with that worker's exit code and adds nothing: the worker said
-  what went wrong (a configuration error on rank 0 only, :mod:`rapidformer.reporting`); where
+  what went wrong (a configuration error on rank 0 only, :mod:`rapidformer.fatal`); where
   every worker was killed by a signal, says which rank and signal;
 * passes a stop signal (SIGTERM, SIGINT, SIGUSR1, ...) on to the workers and gives them time to
   save (:data:`SAVE_GRACE_S`): with ``--save`` the command exits 75, as one process does.

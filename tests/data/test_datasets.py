@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rapidformer.data.bert_dataset import IGNORE_INDEX, BertDataset, bert_collate
+from rapidformer.data.bert_dataset import BertDataset, bert_collate
 from rapidformer.data.blended import BlendedDataset, blend_index
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from rapidformer.data.splits import parse_data_path, parse_split, split_ranges
+from rapidformer.data.splits import CorpusSplit, parse_data_path, parse_split, split_ranges
 from rapidformer.errors import ConfigError, DataError
+from rapidformer.labels import IGNORE_INDEX
 
 
 def _write(prefix: Path, documents: list[list[list[int]]]) -> IndexedDataset:
@@ -61,7 +62,9 @@ def test_gpt_samples_cut_the_token_stream_and_cache_the_index(tmp_path: Path) ->
     documents = [[list(rng.randint(1, 500, size=rng.randint(5, 40)))] for _ in range(30)]
     indexed = _write(tmp_path / "gpt", documents)
     stream = {tuple(tokens) for doc in documents for tokens in doc}
-    dataset = GPTDataset(indexed, str(tmp_path / "gpt"), "train", 0, 30, 50, 16, seed=1)
+    dataset = GPTDataset(
+        CorpusSplit(indexed, str(tmp_path / "gpt"), "train", 0, 30, 50, 16, seed=1)
+    )
     assert len(dataset) == 50 and len(list(tmp_path.glob("gpt_gpt_train_*.npy"))) == 2
     item = dataset[0]
     assert item["input_ids"].shape == (16,) and (item["input_ids"][1:] == item["labels"][:-1]).all()
@@ -72,14 +75,14 @@ def test_gpt_samples_cut_the_token_stream_and_cache_the_index(tmp_path: Path) ->
     for i in range(len(dataset)):
         seen.update(dataset[i]["input_ids"].tolist())
     assert seen <= {t for tokens in stream for t in tokens}
-    again = GPTDataset(indexed, str(tmp_path / "gpt"), "train", 0, 30, 50, 16, seed=1)
+    again = GPTDataset(CorpusSplit(indexed, str(tmp_path / "gpt"), "train", 0, 30, 50, 16, seed=1))
     assert all((again[i]["input_ids"] == dataset[i]["input_ids"]).all() for i in range(50))
 
 
 def test_gpt_split_without_enough_tokens_names_the_file(tmp_path: Path) -> None:
     indexed = _write(tmp_path / "small", [[[1, 2, 3]]])
     with pytest.raises(DataError, match="small: the valid split has 3 tokens"):
-        GPTDataset(indexed, str(tmp_path / "small"), "valid", 0, 1, 4, 16, seed=1)
+        GPTDataset(CorpusSplit(indexed, str(tmp_path / "small"), "valid", 0, 1, 4, 16, seed=1))
 
 
 def test_bert_samples_are_masked_sentence_pairs(tmp_path: Path) -> None:
@@ -90,14 +93,7 @@ def test_bert_samples_are_masked_sentence_pairs(tmp_path: Path) -> None:
     indexed = _write(tmp_path / "bert", documents)
     cls, sep, mask = 2, 3, 4
     dataset = BertDataset(
-        indexed,
-        str(tmp_path / "bert"),
-        "train",
-        0,
-        20,
-        200,
-        32,
-        seed=5,
+        CorpusSplit(indexed, str(tmp_path / "bert"), "train", 0, 20, 200, 32, seed=5),
         cls=cls,
         sep=sep,
         mask=mask,
@@ -129,14 +125,7 @@ def test_bert_needs_documents_with_two_sentences(tmp_path: Path) -> None:
     indexed = _write(tmp_path / "one", [[[5, 6, 7]], [[8, 9]]])
     with pytest.raises(DataError, match="--split-sentences"):
         BertDataset(
-            indexed,
-            str(tmp_path / "one"),
-            "train",
-            0,
-            2,
-            4,
-            16,
-            seed=0,
+            CorpusSplit(indexed, str(tmp_path / "one"), "train", 0, 2, 4, 16, seed=0),
             cls=1,
             sep=2,
             mask=3,

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from rapidformer import RapidformerConfig
 from rapidformer.cli import main
-from rapidformer.data.documents import IGNORE_INDEX, DocumentCollate
+from rapidformer.data.documents import DocumentCollate
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.templates.families.gpt import document_violations
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents

@@ -16,17 +16,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from rapidformer.data.packing import (
-    IGNORE_INDEX,
-    best_fit_decreasing,
-    check_packable,
-    collate_packed,
-    pack_rows,
-    packed_mask,
-    position_offset,
-)
+from rapidformer.data.packing import best_fit_decreasing, collate_packed, pack_rows, packed_mask
 from rapidformer.errors import ConfigError
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models import packed_attention
+from rapidformer.models.packable import check_packable, position_offset
 from rapidformer.templates.tasks import CausalLM
 
 TOLERANCE = 1e-5

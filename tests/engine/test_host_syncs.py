@@ -96,7 +96,7 @@ def test_the_trainer_reads_once_per_log_window(tmp_path: Path) -> None:
         if step == 10:
             # The window's losses, skip flags, LR, last gradient norm and tokens in one copy;
             # the guard's skip flags of the window in another.
-            expected = {"logging.py:_read": 1, "reliability/guard.py:judge_pending": 1}
+            expected = {"trackers/metrics.py:_read": 1, "reliability/guard.py:judge_pending": 1}
             assert reads.of(step) == Counter(expected), reads.of(step)
         elif step != 20:  # step 20 also evaluates, saves and returns the final loss
             assert reads.of(step) == Counter(), (step, reads.of(step))

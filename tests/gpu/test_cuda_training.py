@@ -175,7 +175,8 @@ def packed_against_alone(device: str) -> float:
     import torch.nn.functional as F
     import transformers
 
-    from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows, packed_mask
+    from rapidformer.data.packing import collate_packed, pack_rows, packed_mask
+    from rapidformer.labels import IGNORE_INDEX
 
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

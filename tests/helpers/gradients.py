@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.testing import MarkovLMDataset, TinyTransformerLM
-from rapidformer.testing.tiny import IGNORE_INDEX
 
 TOLERANCE = 1e-6  # fp32, max abs difference of any gradient element
 

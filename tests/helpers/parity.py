@@ -20,12 +20,12 @@ from rapidformer import RapidformerConfig, RapidformerEngine
 from rapidformer.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from rapidformer.data.samplers import contiguous_share
 from rapidformer.distributed.tensors import local_part
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.memory import describe
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.state import TrainState
 from rapidformer.step_io import StepFunctions
 from rapidformer.testing import MarkovLMDataset, lm_tokens, pad_collate
-from rapidformer.testing.tiny import IGNORE_INDEX
 from tests.helpers.steppers import GradientSizes
 
 GLOBAL_BATCH, MICRO_BATCH, LENGTH = 8, 2, 16

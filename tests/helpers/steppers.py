@@ -18,7 +18,7 @@ from rapidformer.distributed.tensors import local_part
 from rapidformer.memory import measured_bytes
 from rapidformer.state import TrainState
 from rapidformer.step.gradients import align_gradients
-from rapidformer.step_io import FinishedGradients, StepOutcome
+from rapidformer.step_io import FinishedGradients, StepResult
 
 
 class WatchingStepper:
@@ -39,10 +39,12 @@ class WatchingStepper:
         self.before(state)
         return self.inner.finish_gradients(state)
 
-    def update(self, state: TrainState, gradients: FinishedGradients, decision: Any) -> StepOutcome:
-        outcome = self.inner.update(state, gradients, decision)
+    def update(
+        self, state: TrainState, gradients: FinishedGradients, decision: Any, totals: Any
+    ) -> StepResult:
+        result = self.inner.update(state, gradients, decision, totals)
         self.after(state)
-        return outcome
+        return result
 
     def expected_bytes(self, state: TrainState) -> Any:
         return self.inner.expected_bytes(state)
@@ -118,13 +120,15 @@ class Capturing:
     def finish_gradients(self, state: TrainState) -> FinishedGradients:
         return FinishedGradients(norm=torch.zeros(()), overflow=None, lr=0.0)
 
-    def update(self, state: TrainState, gradients: FinishedGradients, decision: Any) -> StepOutcome:
+    def update(
+        self, state: TrainState, gradients: FinishedGradients, decision: Any, totals: Any
+    ) -> StepResult:
         for name, param in state.unwrapped_model.named_parameters():
             if param.grad is not None:
                 self.grads[name] = param.grad.clone()
         assert state.optimizer is not None
         state.optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm=0.0, lr=0.0, skipped=False)
+        return StepResult.of(totals, grad_norm=0.0, lr=0.0, skipped=False)
 
     def expected_bytes(self, state: TrainState) -> Any:
         raise NotImplementedError

@@ -30,7 +30,7 @@ from rapidformer.safe_load import (
     UnsafeCheckpointError,
     dcp_load_planner,
     dcp_reader,
-    load_file,
+    load_torch_file,
     pickle_globals,
     scan_file,
     trusting,
@@ -136,7 +136,7 @@ def test_files_torch_would_read_past_the_scan_are_refused(tmp_path: Path) -> Non
         with pytest.raises(UnsafeCheckpointError, match="not in torch's zip format"):
             scan_file(file)
         with pytest.raises(UnsafeCheckpointError):
-            load_file(file)
+            load_torch_file(file)
     assert not marker.exists()
 
 
@@ -164,10 +164,10 @@ def test_own_files_are_read_as_tensors_and_plain_values_only(tmp_path: Path) -> 
     marker = tmp_path / "MARKER"
     torch.save({"weights": torch.ones(2), "payload": Payload(marker)}, tmp_path / "x.pt")
     with pytest.raises(UnsafeCheckpointError, match=r"posix\.system"):
-        load_file(tmp_path / "x.pt")
+        load_torch_file(tmp_path / "x.pt")
     assert not marker.exists()
     with trusting(True):  # --trust-checkpoint: the one path that unpickles anything
-        load_file(tmp_path / "x.pt")
+        load_torch_file(tmp_path / "x.pt")
     assert marker.exists()
 
 

@@ -14,10 +14,10 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from rapidformer import parse_args
-from rapidformer.data.bert_dataset import IGNORE_INDEX
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import TOKENIZER_TYPES, RapidTokenizer
 from rapidformer.errors import ConfigError
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families import (
@@ -131,7 +131,7 @@ class _TinyFamily(PretrainFamily):
 
     def dataset(self, split: CorpusSplit, tokenizer: RapidTokenizer) -> Dataset:
         self.calls.append("dataset")
-        return GPTDataset(*split.args())
+        return GPTDataset(split)
 
     def collate(self, tokenizer: RapidTokenizer, seq_length: int | None) -> Callable[..., Any]:
         return default_collate

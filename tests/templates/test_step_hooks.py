@@ -14,8 +14,8 @@ from torch import nn
 from rapidformer import DataBundle, Trainer, parse_args
 from rapidformer.cli import load_trainer_class
 from rapidformer.errors import ConfigError, HookError
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.testing import lm_loss
-from rapidformer.testing.tiny import IGNORE_INDEX
 from tests.helpers.trainers import DETERMINISTIC_SCRIPT, TINY_FLAGS, read_losses, tiny_trainer
 
 Deterministic = load_trainer_class(str(DETERMINISTIC_SCRIPT))

@@ -21,6 +21,7 @@ from rapidformer.templates.tasks import (
     TokenClassification,
     entities,
 )
+from rapidformer.templates.tasks.base import Evaluated
 from rapidformer.testing.finetune import task_dataset, tiny_model
 
 
@@ -95,7 +96,10 @@ def test_qa_windows_overlap_and_map_answers_back_to_characters(bert: Any) -> Non
 
     outputs = Model()(**task.inputs(batch))
     output = task.statistics(outputs, batch, task.loss(outputs, batch))
-    assert task.metrics([output], features, None, None) == {"exact_match": 100.0, "f1": 100.0}
+    assert task.metrics(Evaluated([output], features, None, None)) == {
+        "exact_match": 100.0,
+        "f1": 100.0,
+    }
 
 
 def test_masked_lm_masks_a_sixth_of_the_tokens_and_fixes_validation_masks(bert: Any) -> None:
@@ -172,7 +176,7 @@ def test_metrics_of_a_rank_without_batches_are_zeros_and_unknown_tags_name_their
     # A rank whose share of a tiny validation split is empty still joins the all-reduce.
     task = TokenClassification(bert, seq_length=16)
     task.prepare(_rows([{"tokens": ["a", "b"], "tags": ["B-X", "O"]}]), "train")
-    assert task.metrics([], None, None, None) == {
+    assert task.metrics(Evaluated([], None, None, None)) == {
         "precision": 0.0,
         "recall": 0.0,
         "f1": 0.0,

@@ -15,14 +15,12 @@ that arrives materialised passes through unchanged.
 
 from __future__ import annotations
 
-from rapidformer.accel.lora.apply import start_adapters
-from rapidformer.accel.lora.aside import adapters_set_aside
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
 from rapidformer.memory import held_bytes
 from rapidformer.models.stages import materialize
-from rapidformer.state import PlanStep, TrainState
+from rapidformer.state import PlanStep, TrainState, base_alone
 
 
 def apply_materialize(
@@ -43,10 +41,10 @@ def apply_materialize(
                 "every parameter (and buffer)",
             )
         materialize(part, state.device)
-        with adapters_set_aside(part):  # the model's init knows only its base
+        with base_alone(state, part):  # the model's init knows only its base
             init()
         if state.frozen_base is not None:
-            start_adapters(part, config)
+            state.frozen_base.additions.start(part)
     held = sum(held_bytes(p) for part in meta for p in part.parameters())
     state.plan.append(
         PlanStep(

@@ -46,13 +46,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from rapidformer.accel.lora.aside import adapters_set_aside
-from rapidformer.accel.lora.layer import follow_tensor_parallel
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError, Violation
-from rapidformer.state import PlanStep, TrainState
+from rapidformer.state import PlanStep, TrainState, base_alone
 
 HF_TP_FAMILIES = "Llama, Qwen2/Qwen3, Mistral, Mixtral, Gemma, Phi-3, OLMo2, GPT-NeoX"
 """Hugging Face families whose configs ship a ``base_model_tp_plan`` (transformers 5)."""
@@ -152,11 +150,12 @@ def apply_tensor_parallel(
                 f"{type(part).__name__}'s tensor-parallel plan has no sequence-parallel regions",
                 "drop --sequence-parallel (the built-in GPT supports it)",
             )
-        # Adapters (already on the layers) are split by their own rule, not the weight's.
-        with adapters_set_aside(part) as adapted:
+        # Parameters added onto the base (adapters) are split by their own rule, not the
+        # weight's: torch's styles would split every parameter under a layer.
+        with base_alone(state, part):
             parallelize_module(part, tp_mesh, resolve_plan(part, plan, sequence_parallel))
-        for layer in adapted.values():
-            follow_tensor_parallel(layer)
+        if state.frozen_base is not None:
+            state.frozen_base.additions.follow_split(part)
         tie = getattr(part, "tie_weights", None)
         if callable(tie):
             tie()  # DTensor Parameters replaced the tied one

@@ -42,20 +42,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from rapidformer.checkpoint import (
+from rapidformer.checkpoint.directory import STAGING_PREFIX, iteration_dir, remove_debris
+from rapidformer.checkpoint.formats import (
+    SHARDED,
+    ConsolidatedFormat,
+    DistributedFormat,
     format_of,
+)
+from rapidformer.checkpoint.save import (
     non_finite_error,
     publish_staged,
     required_files_of,
     state_files,
     write_objects,
 )
-from rapidformer.checkpoint.directory import STAGING_PREFIX, iteration_dir, remove_debris
-from rapidformer.checkpoint.formats import SHARDED, ConsolidatedFormat, DistributedFormat
 from rapidformer.distributed import process_group
 from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.state import TrainState
 
 _NON_FINITE, _FAILED = 0, 1

@@ -9,7 +9,9 @@ while it was being replaced) is removed before the next save.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 
 from rapidformer.checkpoint.integrity import damage, looks_whole
 from rapidformer.errors import CheckpointError
-from rapidformer.logging import log
+from rapidformer.log import log
 
 LATEST = "latest"
 PROGRESS = "progress.json"
@@ -141,3 +143,28 @@ def find_checkpoint(path: str | Path) -> Path | None:
         f"{pointer} names {target}, which is damaged ({problem}), and {path} holds no "
         "older complete checkpoint. Fix: restore the file, or start afresh with another --save"
     )
+
+
+def sync_files(directory: Path) -> None:
+    """Every file and directory under ``directory`` on disk (``fsync``): a checkpoint is
+    published only once a power loss could not take its contents back."""
+    for path in sorted(directory.rglob("*"), reverse=True):  # files before their directory
+        if path.is_file():
+            with open(path, "rb") as stream:
+                os.fsync(stream.fileno())
+        elif path.is_dir():
+            sync_directory(path)
+    sync_directory(directory)
+
+
+def sync_directory(directory: Path) -> None:
+    """A rename in ``directory`` made durable: after a power loss the entry could otherwise
+    still name the old file, whatever was flushed into the new one."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:  # some filesystems cannot sync a directory: nothing to wait for
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(descriptor)

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
-from rapidformer.safe_load import dcp_load_planner, dcp_reader, load_file
+from rapidformer.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from rapidformer.state import CheckpointFormat, TrainState
 
 SHARDED = "sharded"
@@ -116,7 +116,7 @@ class ConsolidatedFormat:
         return ["model.pt"]
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
-        model_state = load_file(directory / "model.pt")
+        model_state = load_torch_file(directory / "model.pt")
         if _has_dtensors(state) or not state.forward_backward.holds_whole_model:
             # Every rank reads the whole file and keeps what it holds: its shard of each
             # tensor, its stages' tensors.
@@ -128,7 +128,7 @@ class ConsolidatedFormat:
             mine = {k: v for k, v in model_state.items() if k in held}
             set_model_state_dict(model, mine, options=options)
             if state.optimizer is not None:
-                saved = load_file(directory / "optimizer.pt")
+                saved = load_torch_file(directory / "optimizer.pt")
                 named = _by_fqn(model, state.optimizer, saved)
                 set_optimizer_state_dict(model, state.optimizer, named, options=options)
             return
@@ -137,7 +137,7 @@ class ConsolidatedFormat:
         else:  # adapters: the base is the run's own (checked by its fingerprint)
             _load_trained_part(state, model_state, directory)
         if state.optimizer is not None:  # ZeroRedundancyOptimizer takes the whole too
-            saved = load_file(directory / "optimizer.pt")
+            saved = load_torch_file(directory / "optimizer.pt")
             saved.pop("param_names", None)
             state.optimizer.load_state_dict(saved)
 
@@ -319,7 +319,7 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
 
 
 READERS: dict[str, Callable[[Path], dict[str, Any]] | str] = {
-    "consolidated": lambda directory: dict(load_file(directory / "model.pt")),
+    "consolidated": lambda directory: dict(load_torch_file(directory / "model.pt")),
     "dcp": _merged_model_shards,
     # Engines' own formats, imported only when a checkpoint of theirs is read.
     "deepspeed": "rapidformer.accel.deepspeed.state:read_model_state",
@@ -336,3 +336,16 @@ def read_model_state(directory: Path, format_name: str) -> dict[str, Any]:
         module, _, function = reader.partition(":")
         reader = getattr(importlib.import_module(module), function)
     return reader(directory)
+
+
+def format_of(state: TrainState) -> CheckpointFormat:
+    """The format this run writes."""
+    return state.checkpoint_format or native_format(state)
+
+
+def saved_format(path: Path, record: dict[str, Any]) -> str:
+    """The format a checkpoint was written in (older checkpoints did not record it)."""
+    name = record.get("format")
+    if isinstance(name, str):
+        return name
+    return "dcp" if (path / SHARDED).is_dir() else "consolidated"

@@ -1,10 +1,10 @@
 """One run per save directory: ``--save DIR`` is locked for the whole run.
 
-Two runs given one directory used to destroy each other's work: each one's cleanup deleted the
-other's staging directory, a published checkpoint could hold one file, and a run could resume
-the other's checkpoint. Rank 0 now takes an exclusive OS lock (``flock``) on ``DIR/.lock``
-before anything else reads or writes there, and holds it until the run ends. A directory that
-cannot be written, or whose disk is full, is refused there too. The file names
+Two runs given one directory would destroy each other's work: each one's cleanup would delete
+the other's staging directory, a published checkpoint could hold one file, and a run could
+resume the other's checkpoint. Rank 0 therefore takes an exclusive OS lock (``flock``) on
+``DIR/.lock`` before anything else reads or writes there, and holds it until the run ends. A
+directory that cannot be written, or whose disk is full, is refused there too. The file names
 the holder (host, pid, start time, command) so that a refused run can say who has it. The
 kernel drops the lock when its process dies, however it dies, so a lock is never stale: a file
 left by a killed run is taken over at once.
@@ -31,7 +31,7 @@ import torch
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
-from rapidformer.logging import log
+from rapidformer.log import log
 
 LOCK_FILE = ".lock"
 FULL_BELOW = 1 << 20
@@ -142,9 +142,9 @@ def _refuse_full(root: Path, fix: str) -> None:
 
 def _holder(handle: IO[str]) -> str:
     """Who holds the lock, as its file says. The holder writes its name just after it takes
-    the lock, so a run started at the same moment waits up to a second to read it whole
-    (seen in 5 of 10 simultaneous starts), and for the file to stop naming an earlier
-    holder that is gone (a process of this host that no longer exists)."""
+    the lock, so a run started at the same moment waits up to a second to read it whole (it
+    may find it half-written), and for the file to stop naming an earlier holder that is gone
+    (a process of this host that no longer exists)."""
     deadline = time.monotonic() + 1.0
     while True:
         handle.seek(0)

@@ -2,7 +2,7 @@
 
 Megatron's ``--finetune`` and Megatron-Bridge's ``pretrained_checkpoint``: the weights of a
 finished run's checkpoint, in whatever layout this run has (every rank reads the whole state
-and keeps its share), with a fresh optimizer, schedule and data position. Under ``--lora-rank``
+and keeps its share), with a fresh optimizer, schedule and data position. Under adapters
 they are the frozen base: a checkpoint of adapters holds no base, so the base is read again on
 every resume, and its fingerprint (over the checkpoint's values, so the same for any layout or
 storage dtype) is what the adapters' checkpoints are checked against.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from rapidformer.accel.lora.apply import fingerprint
-from rapidformer.accel.lora.layer import ADAPTER_PARAMETER
-from rapidformer.checkpoint.formats import read_model_state
+from rapidformer.checkpoint.directory import PROGRESS, find_checkpoint, read_progress
+from rapidformer.checkpoint.formats import read_model_state, saved_format
 from rapidformer.errors import CheckpointError
+from rapidformer.models.fingerprint import weights_fingerprint
 from rapidformer.state import TrainState
 
 
@@ -23,9 +23,6 @@ def load_pretrained(state: TrainState, source: str) -> str:
     """Read the whole model at ``source`` into ``state``'s model (adapters aside); returns the
     SHA-256 of its frozen weights (for a run with adapters) or "". Refused, with the file
     named, when it is no whole model of this shape."""
-    from rapidformer.checkpoint import PROGRESS, find_checkpoint, saved_format  # imports this
-    from rapidformer.checkpoint.directory import read_progress
-
     path = find_checkpoint(source)
     if path is None:
         raise CheckpointError(
@@ -37,7 +34,8 @@ def load_pretrained(state: TrainState, source: str) -> str:
     if record.get("frozen_base") is not None:
         raise CheckpointError(
             f"--pretrained-checkpoint {path} holds adapters, not a whole model. Fix: resume it "
-            "with --load, or fold them in first (python -m rapidformer.export --merge-lora)"
+            "with --load, or export it merged into its base first (python -m rapidformer.export "
+            "--help)"
         )
     weights = read_model_state(path, saved_format(path, record))
     if state.mesh.dims.pp == 1:  # a pipeline rank holds only its stages' keys
@@ -49,11 +47,13 @@ def load_pretrained(state: TrainState, source: str) -> str:
                 f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which this model "
                 f"lacks. Fix: pass the model flags it was trained with (its {PROGRESS} holds them)"
             )
+    base = state.frozen_base
+    added = base.additions.owns if base is not None else (lambda name: False)
     options = StateDictOptions(full_state_dict=True, strict=False)
     for part in state.model_parts:
         # Whole shapes (a DTensor reports its global one): no value is gathered.
         own = {k: tuple(v.shape) for k, v in part.state_dict().items()}
-        wanted = [k for k in own if ADAPTER_PARAMETER not in k]
+        wanted = [k for k in own if not added(k)]
         missing = [k for k in wanted if k not in weights]
         wrong = [
             f"{k} is {tuple(weights[k].shape)} there, {own[k]} here"
@@ -71,12 +71,11 @@ def load_pretrained(state: TrainState, source: str) -> str:
             set_model_state_dict(part, {k: weights[k] for k in wanted}, options=options)
         except (RuntimeError, ValueError) as exc:
             raise CheckpointError(f"--pretrained-checkpoint {path}: {exc}") from exc
-    base = state.frozen_base
     if base is None:
         return ""
-    return fingerprint(
+    return weights_fingerprint(
         (name, weights[name])
         for part in state.model_parts
         for name, _ in part.named_parameters()
-        if name not in base.trainable and ADAPTER_PARAMETER not in name
+        if name not in base.trainable and not added(name)
     )

@@ -1,5 +1,5 @@
 """Reading a dense checkpoint into an MoE model (``--moe-use-upcycling`` with ``--load``);
-see :mod:`rapidformer.accel.moe.upcycling`."""
+see :mod:`rapidformer.models.upcycling`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from rapidformer.accel.moe.upcycling import upcycled_state_dict
-from rapidformer.checkpoint.formats import read_model_state
+from rapidformer.checkpoint.directory import read_progress
+from rapidformer.checkpoint.formats import read_model_state, saved_format
 from rapidformer.errors import CheckpointError
+from rapidformer.models.upcycling import upcycled_state_dict
 from rapidformer.state import TrainState
 
 
@@ -17,9 +18,6 @@ def load_upcycled(state: TrainState, path: Path) -> None:
     """Read the dense checkpoint at ``path`` (a checkpoint directory) into the MoE model of
     ``state``: experts from the dense FFNs, everything else as saved, routers as initialised.
     Refused (CheckpointError) when the checkpoint is not a dense version of this model."""
-    from rapidformer.checkpoint import saved_format  # the package imports this
-    from rapidformer.checkpoint.directory import read_progress
-
     record = read_progress(path)
     dense = read_model_state(path, saved_format(path, record))
     if any(".ffn.router." in key or ".ffn.experts." in key for key in dense):

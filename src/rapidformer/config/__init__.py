@@ -1,6 +1,6 @@
 """The typed configuration, its loaders and its validation."""
 
-from rapidformer.config.loading import build_parser, load_file, parse_args
+from rapidformer.config.loading import build_parser, parse_args, read_config_file
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.schema import (
     CheckpointConfig,
@@ -32,6 +32,6 @@ __all__ = [
     "RapidformerConfig",
     "TrainingConfig",
     "build_parser",
-    "load_file",
     "parse_args",
+    "read_config_file",
 ]

@@ -22,7 +22,6 @@ from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig, config_from_dict, flatten
 from rapidformer.config.schema import SECTIONS
 from rapidformer.errors import ConfigError, Violation
-from rapidformer.reporting import report_uncaught
 
 OTHER_TOOLS_NAMES = {
     "--learning-rate": "--lr",
@@ -126,7 +125,6 @@ def parse_args_with_extras(
 ) -> tuple[RapidformerConfig, dict[str, Any]]:
     """Like :func:`parse_args`, with the flags ``extra_args_provider(parser)`` adds returned
     apart (by destination; None when not given and without a default)."""
-    report_uncaught()  # in a script, a bad flag is one message, as the command's
     parser = build_parser()
     before = set(map(id, parser._actions))
     if extra_args_provider is not None:
@@ -137,7 +135,7 @@ def parse_args_with_extras(
     config_file = namespace.pop("config", None)
     # Aliases resolve per source, so that a flag on the command line overrides the file
     # whichever spelling each used.
-    from_file, violations = resolve(flatten(load_file(config_file) if config_file else {}))
+    from_file, violations = resolve(flatten(read_config_file(config_file) if config_file else {}))
     violations += [
         Violation(
             f"--{name.replace('_', '-')}",
@@ -164,7 +162,7 @@ def _given(values: dict[str, object], name: str) -> bool:
     return False
 
 
-def load_file(path: str | Path) -> dict[str, object]:
+def read_config_file(path: str | Path) -> dict[str, object]:
     """Read a YAML (``.yaml``/``.yml``) or JSON config file into a dict."""
     path = Path(path)
     if not path.is_file():

@@ -11,24 +11,9 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
-from rapidformer.config import aliases
+from rapidformer.config import aliases, schema
 from rapidformer.config.fields import FieldSpec, all_fields, fields_by_name
-from rapidformer.config.schema import (
-    SECTIONS,
-    AdapterConfig,
-    CheckpointConfig,
-    DataConfig,
-    GraphConfig,
-    LoggingConfig,
-    MemoryConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PlanningConfig,
-    PrecisionConfig,
-    TrainingConfig,
-)
+from rapidformer.config.schema import SECTIONS
 from rapidformer.errors import ConfigError, Violation
 
 
@@ -40,19 +25,19 @@ class RapidformerConfig:
     :meth:`from_dict`, or directly: ``RapidformerConfig(data=DataConfig(micro_batch_size=8))``.
     """
 
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    graph: GraphConfig = field(default_factory=GraphConfig)
-    adapters: AdapterConfig = field(default_factory=AdapterConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    data: schema.DataConfig = field(default_factory=schema.DataConfig)
+    model: schema.ModelConfig = field(default_factory=schema.ModelConfig)
+    training: schema.TrainingConfig = field(default_factory=schema.TrainingConfig)
+    precision: schema.PrecisionConfig = field(default_factory=schema.PrecisionConfig)
+    parallel: schema.ParallelConfig = field(default_factory=schema.ParallelConfig)
+    memory: schema.MemoryConfig = field(default_factory=schema.MemoryConfig)
+    moe: schema.MoEConfig = field(default_factory=schema.MoEConfig)
+    graph: schema.GraphConfig = field(default_factory=schema.GraphConfig)
+    adapters: schema.AdapterConfig = field(default_factory=schema.AdapterConfig)
+    optimizer: schema.OptimizerConfig = field(default_factory=schema.OptimizerConfig)
+    checkpoint: schema.CheckpointConfig = field(default_factory=schema.CheckpointConfig)
+    logging: schema.LoggingConfig = field(default_factory=schema.LoggingConfig)
+    planning: schema.PlanningConfig = field(default_factory=schema.PlanningConfig)
 
     def to_dict(self) -> dict[str, dict[str, object]]:
         """Nested plain dict ``{section: {field: value}}``; :meth:`from_dict` inverts it."""

@@ -92,6 +92,13 @@ class Feature:
     """The value of its first flag where the config switches it on, else None."""
     refused_on: Mapping[str, str] = field(default_factory=dict)
     """``--zero-backend`` value -> why the feature cannot run on that engine."""
+    recipe: Mapping[str, object] = field(default_factory=dict)
+    """Fine-tuning recipe values the feature changes where the flags leave them open, when it
+    is on (adapters start at zero and take a larger learning rate)."""
+    late_weight_rules: Callable[[RapidformerConfig], Iterator[Violation]] = lambda config: iter(())
+    """What the feature refuses for a model built on the meta device that gets its weights
+    only once materialised (the Pretrainer's built-in GPT and BERT): a template asks before
+    any model exists, so the refusal comes with the flags'."""
 
 
 def check(

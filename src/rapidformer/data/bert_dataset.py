@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import Dataset
 
 from rapidformer.data.indexed import IndexedDataset
+from rapidformer.data.splits import CorpusSplit
 from rapidformer.errors import DataError
-from rapidformer.step_io import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 
 
 class BertDataset(Dataset):
@@ -27,14 +28,7 @@ class BertDataset(Dataset):
 
     def __init__(
         self,
-        indexed: IndexedDataset,
-        prefix: str,
-        name: str,
-        doc_start: int,
-        doc_end: int,
-        num_samples: int | None,
-        seq_length: int,
-        seed: int,
+        split: CorpusSplit,
         *,
         cls: int,
         sep: int,
@@ -43,17 +37,19 @@ class BertDataset(Dataset):
         short_seq_prob: float = 0.1,
         masked_lm_prob: float = 0.15,
     ) -> None:
+        indexed, seq_length, num_samples = split.indexed, split.seq_length, split.num_samples
         self.indexed = indexed
         self.seq_length = seq_length
-        self.seed = seed
+        self.seed = seed = split.seed
         self.cls, self.sep, self.mask, self.vocab_size = cls, sep, mask, vocab_size
         self.masked_lm_prob = masked_lm_prob
         self.samples = _build_samples(
-            indexed, doc_start, doc_end, num_samples, seq_length - 3, short_seq_prob, seed
-        )
+            indexed, split.doc_start, split.doc_end, num_samples, seq_length - 3, short_seq_prob,
+            seed,
+        )  # fmt: skip
         if len(self.samples) == 0:
             raise DataError(
-                f"{prefix}: the {name} split has no document with two or more "
+                f"{split.prefix}: the {split.name} split has no document with two or more "
                 "sentences; preprocess BERT data with --split-sentences"
             )
         self.num_samples = num_samples if num_samples is not None else len(self.samples)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from rapidformer.step_io import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 
 DOCUMENT_INPUTS = ("input_ids", "position_ids", "document_mask")
 """What the built-in GPT is given from a batch with document parts (those it has)."""

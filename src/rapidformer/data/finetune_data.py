@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rapidformer.errors import ConfigError, DataError
+from rapidformer.hub import hub_unreachable
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -194,27 +195,6 @@ def _canonical(splits: dict[str, Dataset], where: str) -> dict[str, Dataset]:
 
 def _looks_like_a_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or os.sep + os.sep in name or name.count("/") > 1
-
-
-def hub_unreachable() -> bool:
-    """True when the Hugging Face hub cannot be reached: a 3 s connection probe, so that a
-    machine without network gets a clear error at once instead of minutes of retries. Never
-    true under ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1``, where the libraries read their
-    local cache and fail fast themselves."""
-    import socket
-    from urllib.parse import urlparse
-
-    if any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in _OFFLINE):
-        return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
-    try:
-        socket.create_connection((host or "huggingface.co", 443), timeout=3.0).close()
-    except OSError:
-        return True
-    return False
-
-
-_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def _from_hub(name: str, config: str | None) -> dict[str, Dataset]:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from rapidformer.data.indexed import IndexedDataset
+from rapidformer.data.splits import CorpusSplit
 from rapidformer.distributed import process_group
 from rapidformer.errors import DataError
 
@@ -29,17 +30,10 @@ class GPTDataset(Dataset):
     ``[doc_start, doc_end)`` of ``indexed`` (None: one pass over them); items are
     ``{"input_ids", "labels"}``."""
 
-    def __init__(
-        self,
-        indexed: IndexedDataset,
-        prefix: str,
-        name: str,
-        doc_start: int,
-        doc_end: int,
-        num_samples: int | None,
-        seq_length: int,
-        seed: int,
-    ) -> None:
+    def __init__(self, split: CorpusSplit) -> None:
+        indexed, prefix, name = split.indexed, split.prefix, split.name
+        doc_start, doc_end, seq_length = split.doc_start, split.doc_end, split.seq_length
+        num_samples, seed = split.num_samples, split.seed
         self.indexed = indexed
         self.seq_length = seq_length
         if doc_end <= doc_start:

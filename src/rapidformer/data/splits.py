@@ -3,12 +3,16 @@
 ``--split "969, 30, 1"`` gives relative weights; they are normalised and turned into three
 consecutive, disjoint document ranges that cover the corpus, each within one document of its
 requested share (boundaries are rounded, then the last one is pinned to the corpus end).
+A :class:`CorpusSplit` is one corpus's documents of one split: what every pretraining dataset
+is built from.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from rapidformer.data.indexed import IndexedDataset
 from rapidformer.errors import ConfigError
 
 
@@ -66,3 +70,20 @@ def parse_data_path(data_path: str) -> list[tuple[float, str]]:
             "--data-path", data_path, "weights must be finite, >= 0, sum > 0", '"0.3 A 0.7 B"'
         )
     return [(w / total, prefix) for w, prefix in pairs]
+
+
+@dataclass(frozen=True)
+class CorpusSplit:
+    """One corpus's documents of one split and the samples to draw from them: what every
+    pretraining dataset is built from."""
+
+    indexed: IndexedDataset
+    prefix: str
+    name: str
+    """``train``, ``valid`` or ``test``."""
+    doc_start: int
+    doc_end: int
+    num_samples: int | None
+    """None: one pass over the split's documents."""
+    seq_length: int
+    seed: int

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 
+from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.dryrun.estimate import (
@@ -176,7 +177,6 @@ def climb(
 
 def _changed_flags(before: RapidformerConfig, after: RapidformerConfig) -> list[str]:
     """The command-line flags that turn ``before`` into ``after``."""
-    from rapidformer.config.fields import all_fields
 
     flags = []
     for spec in all_fields():

@@ -13,6 +13,8 @@ from rapidformer.dryrun.finetuning import finetuning_workload
 from rapidformer.dryrun.fit import parse_memory
 from rapidformer.dryrun.workload import check_task, pretraining_workload
 from rapidformer.engine.validation import validate
+from rapidformer.templates.finetuner import Finetuner
+from rapidformer.templates.pretrainer import Pretrainer
 
 REPORT_FILE = "dry_run.json"
 
@@ -32,8 +34,6 @@ def device_memory(config: RapidformerConfig) -> tuple[int | None, str]:
 
 def run_dry_run(config: RapidformerConfig) -> DryRunReport:
     """The dry run the flags ask for: printed, and written to SAVE/dry_run.json with --save."""
-    from rapidformer.templates.finetuner import Finetuner
-    from rapidformer.templates.pretrainer import Pretrainer
 
     planning = config.planning
     world_size = planning.dry_run_world_size or LaunchEnv.read().world_size

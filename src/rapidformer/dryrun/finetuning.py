@@ -28,9 +28,16 @@ from typing import Any
 import torch
 
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.data.finetune_data import load_splits, training_split
 from rapidformer.distributed.dims import ParallelDims
 from rapidformer.dryrun.estimate import Workload
 from rapidformer.errors import ConfigError
+from rapidformer.models.hf import load_tokenizer
+from rapidformer.models.packable import check_packable
+from rapidformer.templates.architectures import model_kwargs_for
+from rapidformer.templates.finetuner import DEFAULT_SEQ_LENGTH
+from rapidformer.templates.tasks import CausalLM
+from rapidformer.templates.tasks.supervised import options_of, packed
 
 
 def finetuning_workload(
@@ -38,8 +45,6 @@ def finetuning_workload(
 ) -> tuple[Workload, str]:
     """The causal LM the flags describe, on the micro-batch a step of it runs (packed: and
     the rows an epoch gives each of the ``world_size`` ranks' data-parallel shares)."""
-    from rapidformer.templates.architectures import model_kwargs_for
-    from rapidformer.templates.finetuner import DEFAULT_SEQ_LENGTH
 
     path = config.model.pretrained_model_name_or_path
     assert path is not None
@@ -53,8 +58,6 @@ def finetuning_workload(
     )
     model = work.build()
     if config.data.packing:
-        from rapidformer.data.packing import check_packable
-
         check_packable(model, seq)  # as the run refuses it: a --packing ConfigError
     parameters = sum(p.numel() for p in model.parameters())
     shape = (
@@ -94,10 +97,6 @@ def packed_epoch(config: RapidformerConfig, path: str, seq: int, data_parallel: 
     and what each of the ``data_parallel`` shares takes of them, as the sampler deals them: an
     equal number of rows (the rest left out of the epoch), in micro-batches of
     ``--micro-batch-size`` rows. The data's errors are raised as the run raises them."""
-    from rapidformer.data.finetune_data import load_splits, training_split
-    from rapidformer.models.hf import load_tokenizer
-    from rapidformer.templates.tasks import CausalLM
-    from rapidformer.templates.tasks.supervised import options_of, packed
 
     data = config.data
     assert data.data_dir is not None
@@ -124,8 +123,6 @@ def causal_lm_workload(
     """A transformers causal LM of ``hf_config`` (the attention transformers picks) on
     ``rows`` packed rows or padded samples of ``seq`` tokens (see the module docstring)."""
     from transformers import AutoModelForCausalLM
-
-    from rapidformer.templates.tasks import CausalLM
 
     hf_config = copy.deepcopy(hf_config)  # the caller's stays as it was
     if hasattr(hf_config, "output_router_logits"):

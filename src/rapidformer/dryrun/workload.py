@@ -7,9 +7,12 @@ from pathlib import Path
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.documents import document_collate
 from rapidformer.data.splits import parse_data_path
+from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.dryrun.estimate import Workload
+from rapidformer.dryrun.finetuning import refuse_tensor_parallelism
 from rapidformer.errors import ConfigError
 from rapidformer.templates.families import family_for
+from rapidformer.templates.tasks import canonical_task
 
 DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
 """GPT-2's and BERT's vocabularies: the sizes assumed when ``--vocab-file`` is not there."""
@@ -59,13 +62,10 @@ config.json (:mod:`rapidformer.dryrun.finetuning`)."""
 
 def check_task(config: RapidformerConfig) -> None:
     """Refuse what a dry run cannot build: a user script's model, a task but those above."""
-    from rapidformer.templates.tasks import canonical_task
 
     task = config.training.task
     if config.training.user_script is None and canonical_task(task or "") in DRY_RUN_TASKS:
         if task != "pretraining":
-            from rapidformer.dryrun.finetuning import refuse_tensor_parallelism
-
             refuse_tensor_parallelism(config)
         return
     raise ConfigError.single(
@@ -82,8 +82,6 @@ def _vocab_size(config: RapidformerConfig, family: str, warnings: list[str]) -> 
     data = config.data
     assert data.tokenizer_type is not None and data.vocab_file is not None
     if Path(data.vocab_file).is_file():
-        from rapidformer.data.tokenizers import build_tokenizer
-
         return build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file).vocab_size
     size = DEFAULT_VOCAB[family]
     warnings.append(

@@ -42,21 +42,20 @@ from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.engine.late_weights import LateWeights
 from rapidformer.engine.order import backend
 from rapidformer.engine.plan_log import log_plan, measure_peak, model_mfu_meter, trust_steps
-from rapidformer.engine.result import StepResult, step_result
 from rapidformer.engine.validation import validate
 from rapidformer.errors import Violation
+from rapidformer.fatal import report_uncaught, set_debug
 from rapidformer.flops import MfuMeter
 from rapidformer.hardware import Peak
-from rapidformer.logging import setup_console_logging
+from rapidformer.log import setup_console_logging
 from rapidformer.quiet import quiet_third_parties
 from rapidformer.reliability.guard import StepGuard
 from rapidformer.reliability.signals import StopSignals
-from rapidformer.reporting import report_uncaught, set_debug
 from rapidformer.seeding import seed_everything
 from rapidformer.state import TrainState
 from rapidformer.step.forward_backward import EagerForwardBackward
 from rapidformer.step.optimizer_step import TorchStepper
-from rapidformer.step_io import StepFunctions, StepOutcome
+from rapidformer.step_io import StepFunctions, StepResult
 from rapidformer.threads import choose_threads
 
 __all__ = ["RapidformerEngine", "StepResult", "engines_built"]
@@ -113,6 +112,7 @@ class RapidformerEngine:
             env, self.device, config.parallel.distributed_timeout_minutes
         )
         self.mesh = ParallelMesh.build(self.dims, self.device.type)
+        self._dp, self._dp_group = self.dims.dp, self.mesh.group("dp")  # each step's counts
         self.guard = StepGuard(
             config.training.max_skipped_steps,
             self.mesh.group("world"),
@@ -176,7 +176,7 @@ class RapidformerEngine:
         # to its own engine in a cycle that outlives `del trainer` (its model with it).
         state.optimizer_fn = None
         state.plan.extend(trust_steps(self.config))
-        state.freeze_parameters()
+        state.settle_parameters()
         # Before the user's hooks run again (the scheduler): a CPU's peak probe is set-up.
         if self.is_main_process:
             self.peak = measure_peak(self.device, self.config)
@@ -211,7 +211,7 @@ class RapidformerEngine:
         state = self._require_state()
         if self._late is not None and self._late.micro_steps:
             raise RuntimeError("finish the step begun with engine.backward() (engine.step())")
-        dp_group = self.mesh.group("dp")
+        dp_group = self._dp_group
         weights = torch.stack(
             [
                 torch.as_tensor(step.weight(b), dtype=torch.float32, device=self.device)
@@ -219,13 +219,13 @@ class RapidformerEngine:
             ]
         )
         total = process_group.all_reduce_sum(weights.sum(), dp_group).clamp(min=1e-12)
-        scales = weights * (self.dims.dp / total)
+        scales = weights * (self._dp / total)
         state.moe.begin_step(scales)  # auxiliary losses weigh like their micro-batch's loss
         state.moe.count_step(state, batches, step)  # global_aux_loss: the step's routing first
         losses = state.forward_backward.run(state, batches, step, scales)
         self.guard.observe_loss(losses)
         loss_sum = process_group.all_reduce_sum((losses * weights).sum(), dp_group)
-        return step_result(self._apply(state), loss_sum, total)
+        return self._apply(state, torch.stack([total, loss_sum]))
 
     # ---- hand-written loops: weights known only after each forward ------------------------
     def begin_micro_step(self, *, last: bool) -> None:
@@ -256,11 +256,11 @@ class RapidformerEngine:
         if not late.ready:
             return None
         self.guard.observe_loss(late.totals[1])
-        outcome = self._apply(late.state)
-        weight, loss_sum = late.finish()
-        return step_result(outcome, loss_sum, weight)
+        result = self._apply(late.state, late.finish())
+        late.arm()  # a new step begins: DDP syncs only at its last micro-batch
+        return result
 
-    def _apply(self, state: TrainState) -> StepOutcome:
+    def _apply(self, state: TrainState, totals: torch.Tensor) -> StepResult:
         """The stepper's update, or the skip every rank agreed on, and the bookkeeping after.
 
         The guard sits between the stepper's two halves: the gradients are made ready (and
@@ -271,18 +271,15 @@ class RapidformerEngine:
         decision = self.guard.decide(gradients.norm, gradients.overflow)
         if not stepper.skips_on_device:
             decision = self.guard.read_now(decision)
-        outcome = stepper.update(state, gradients, decision)
+        result = stepper.update(state, gradients, decision, totals)
         if decision.report is not None:
-            self.guard.judge_read(decision, skipped=bool(outcome.skipped))
-        skipped = outcome.skipped
-        applied = 1.0 - skipped if isinstance(skipped, torch.Tensor) else not skipped
-        state.moe.after_step(applied=applied)
-        if self._late is not None:
-            self._late.arm()  # a new step begins: DDP syncs only at its last micro-batch
+            assert result.skipped_on_host is not None, "a host decision gives a host skip"
+            self.guard.judge_read(decision, skipped=result.skipped_on_host)
+        state.moe.after_step(applied=result.applied)
         self.guard.step_done()  # every --log-interval steps: log the skipped ones
         for monitor in state.monitors:
             monitor.after_step(self.guard.steps, self.is_main_process)
-        return outcome
+        return result
 
     # ---- what a loop asks of the guard ----------------------------------------------------
     def resume_at(self, step: int) -> None:

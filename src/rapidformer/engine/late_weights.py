@@ -76,13 +76,14 @@ class LateWeights:
         self.step_totals = totals
         self.ready = True
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ready step's (weight, weighted loss sum) over all ranks; starts a new step."""
-        weight, loss_sum = self.step_totals.unbind()
+    def finish(self) -> torch.Tensor:
+        """The ready step's ``[weight, weighted loss sum]`` over all ranks; starts a new
+        step."""
+        totals = self.step_totals
         self.micro_steps = 0
         self.ready = False
         self.totals = torch.zeros_like(self.totals)
-        return weight, loss_sum
+        return totals
 
     def _micro_step_slot(self) -> MicroStepBackward:
         if self.slot is None:

@@ -39,7 +39,7 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature, Rule, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import Violation
-from rapidformer.state import TrainState
+from rapidformer.state import FrozenBaseExport, TrainState
 
 Apply = Callable[[TrainState, RapidformerConfig, ParallelMesh], TrainState]
 
@@ -149,6 +149,9 @@ FEATURES: tuple[Feature, ...] = (
     deepspeed.FEATURE,
 )
 """Every acceleration that owns flags and rules (each declared next to its code)."""
+
+FROZEN_BASE_EXPORT: FrozenBaseExport = lora.EXPORT
+"""How export writes a checkpoint of parameters added onto a frozen base (adapters)."""
 
 
 @dataclass(frozen=True)

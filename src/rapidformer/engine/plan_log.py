@@ -11,7 +11,7 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.flops import MfuMeter, mfu_meter
 from rapidformer.hardware import Peak, device_peak, precision_support
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.memory import describe
 from rapidformer.state import PlanStep, TrainState
 from rapidformer.threads import ThreadChoice

@@ -24,17 +24,9 @@ from rapidformer.models.stages import StagedModel
 
 @dataclass(frozen=True)
 class BertConfig(TransformerShape):
-    """Shape of a BERT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
-    applies to the embeddings, the attention probabilities and both residual branches."""
+    """Shape of a BERT model (the shared fields: :class:`TransformerShape`)."""
 
-    vocab_size: int
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    max_position_embeddings: int
     type_vocab_size: int = 2
-    ffn_hidden_size: int | None = None
-    dropout: float = 0.1
     layernorm_epsilon: float = 1e-12
     moe: MoESpec | None = None
     """Mixture-of-experts FFNs in the layers it names (``--num-experts``)."""

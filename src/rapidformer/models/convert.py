@@ -28,6 +28,7 @@ import torch
 
 from rapidformer.models.bert import BertConfig, BertModel
 from rapidformer.models.gpt import GPTConfig, GPTModel
+from rapidformer.safe_load import hugging_face_weights
 
 if TYPE_CHECKING:
     import transformers
@@ -162,15 +163,20 @@ def gpt_to_hf(model: GPTModel) -> StateDict:
     return out
 
 
+def _bert_pairs(num_layers: int) -> list[tuple[str, str]]:
+    """(our module path, BertForPreTraining's) for every module with a weight."""
+    pairs = list(_BERT_TOP)
+    for i in range(num_layers):
+        prefix = f"bert.encoder.layer.{i}."
+        pairs += [(f"blocks.{i}.{ours}", prefix + theirs) for ours, theirs in _BERT_LAYER]
+    return pairs
+
+
 def bert_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig) -> StateDict:
     """A :class:`BertModel` state dict from a ``transformers.BertForPreTraining`` state dict."""
     src = _Source(hf_state_dict, "BertForPreTraining")
-    pairs = list(_BERT_TOP)
-    for i in range(config.num_layers):
-        prefix = f"bert.encoder.layer.{i}."
-        pairs += [(f"blocks.{i}.{ours}", prefix + theirs) for ours, theirs in _BERT_LAYER]
     out: StateDict = {}
-    for ours, theirs in pairs:
+    for ours, theirs in _bert_pairs(config.num_layers):
         for leaf in ("weight", "bias"):
             if ours.endswith("embeddings") and leaf == "bias":
                 continue
@@ -196,12 +202,8 @@ def bert_from_hf(hf_state_dict: Mapping[str, torch.Tensor], config: BertConfig) 
 def bert_to_hf(model: BertModel) -> StateDict:
     """A ``transformers.BertForPreTraining`` state dict from a :class:`BertModel`."""
     src = _Source(model.state_dict(), "BertModel")
-    pairs = list(_BERT_TOP)
-    for i in range(model.config.num_layers):
-        prefix = f"bert.encoder.layer.{i}."
-        pairs += [(f"blocks.{i}.{ours}", prefix + theirs) for ours, theirs in _BERT_LAYER]
     out: StateDict = {}
-    for ours, theirs in pairs:
+    for ours, theirs in _bert_pairs(model.config.num_layers):
         for leaf in ("weight", "bias"):
             if ours.endswith("embeddings") and leaf == "bias":
                 continue
@@ -223,21 +225,15 @@ def hf_config_for(model: GPTModel | BertModel) -> transformers.GPT2Config | tran
         # GPT-2's <|endoftext|> id only exists in a GPT-2-sized vocabulary.
         eot = 50256 if g.vocab_size > 50256 else None
         return transformers.GPT2Config(
-            vocab_size=g.vocab_size,
-            n_positions=g.max_position_embeddings,
-            n_embd=g.hidden_size,
-            n_layer=g.num_layers,
-            n_head=g.num_attention_heads,
+            **_theirs(g, GPT2_NAMES),
             n_inner=g.ffn_size,
             activation_function="gelu_new",
             resid_pdrop=g.dropout,
             embd_pdrop=g.dropout,
             attn_pdrop=g.dropout,
-            layer_norm_epsilon=g.layernorm_epsilon,
             scale_attn_weights=True,
             scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False,
-            tie_word_embeddings=g.tie_word_embeddings,
             bos_token_id=eot,
             eos_token_id=eot,
             architectures=["GPT2LMHeadModel"],
@@ -245,17 +241,11 @@ def hf_config_for(model: GPTModel | BertModel) -> transformers.GPT2Config | tran
     if isinstance(model, BertModel):
         b = model.config
         return transformers.BertConfig(
-            vocab_size=b.vocab_size,
-            hidden_size=b.hidden_size,
-            num_hidden_layers=b.num_layers,
-            num_attention_heads=b.num_attention_heads,
+            **_theirs(b, BERT_NAMES),
             intermediate_size=b.ffn_size,
             hidden_act="gelu",
             hidden_dropout_prob=b.dropout,
             attention_probs_dropout_prob=b.dropout,
-            max_position_embeddings=b.max_position_embeddings,
-            type_vocab_size=b.type_vocab_size,
-            layer_norm_eps=b.layernorm_epsilon,
             tie_word_embeddings=True,
             architectures=["BertForPreTraining"],
         )
@@ -299,6 +289,40 @@ def _ffn_or_default(size: int | None, hidden: int) -> int | None:
     return None if size is None or size == 4 * hidden else int(size)
 
 
+GPT2_NAMES = {
+    "vocab_size": "vocab_size",
+    "num_layers": "n_layer",
+    "hidden_size": "n_embd",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+    "layernorm_epsilon": "layer_norm_epsilon",
+    "tie_word_embeddings": "tie_word_embeddings",
+}
+"""GPTConfig's fields -> GPT2Config's names for them (the FFN width and dropout aside)."""
+BERT_NAMES = {
+    "vocab_size": "vocab_size",
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "max_position_embeddings": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "layernorm_epsilon": "layer_norm_eps",
+}
+"""BertConfig's fields -> transformers' BertConfig names for them."""
+
+
+def _theirs(config: Any, names: dict[str, str]) -> dict[str, Any]:
+    return {theirs: getattr(config, ours) for ours, theirs in names.items()}
+
+
+def _ours(hf: Any, names: dict[str, str], problems: list[str], model: str) -> dict[str, Any]:
+    """Our config's fields from a Hugging Face config, or ValueError naming what ``model``
+    does not compute."""
+    if problems:
+        raise ValueError(f"{model} cannot compute this config: " + "; ".join(problems))
+    return {ours: getattr(hf, theirs) for ours, theirs in names.items()}
+
+
 def _gpt_config_from_hf(hf: Any) -> GPTConfig:
     problems = []
     if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -307,18 +331,10 @@ def _gpt_config_from_hf(hf: Any) -> GPTConfig:
         problems.append("attention scaling other than 1/sqrt(head_dim)")
     if getattr(hf, "add_cross_attention", False):
         problems.append("cross-attention")
-    if problems:
-        raise ValueError("GPT-2 config not supported by GPTModel: " + "; ".join(problems))
     return GPTConfig(
-        vocab_size=hf.vocab_size,
-        num_layers=hf.n_layer,
-        hidden_size=hf.n_embd,
-        num_attention_heads=hf.n_head,
-        max_position_embeddings=hf.n_positions,
+        **_ours(hf, GPT2_NAMES, problems, "GPTModel"),
         ffn_hidden_size=_ffn_or_default(hf.n_inner, hf.n_embd),
         dropout=float(hf.resid_pdrop),
-        layernorm_epsilon=hf.layer_norm_epsilon,
-        tie_word_embeddings=bool(hf.tie_word_embeddings),
     )
 
 
@@ -330,18 +346,10 @@ def _bert_config_from_hf(hf: Any) -> BertConfig:
         problems.append(f"position_embedding_type={hf.position_embedding_type!r}")
     if getattr(hf, "is_decoder", False):
         problems.append("is_decoder=True")
-    if problems:
-        raise ValueError("BERT config not supported by BertModel: " + "; ".join(problems))
     return BertConfig(
-        vocab_size=hf.vocab_size,
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        num_attention_heads=hf.num_attention_heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        type_vocab_size=hf.type_vocab_size,
+        **_ours(hf, BERT_NAMES, problems, "BertModel"),
         ffn_hidden_size=_ffn_or_default(hf.intermediate_size, hf.hidden_size),
         dropout=float(hf.hidden_dropout_prob),
-        layernorm_epsilon=hf.layer_norm_eps,
     )
 
 
@@ -351,8 +359,6 @@ def load_hugging_face(
     """A built-in model from a saved ``GPT2LMHeadModel`` or ``BertForPreTraining`` directory
     (``model_type`` "gpt2" or "bert" in its ``config.json``)."""
     import transformers
-
-    from rapidformer.safe_load import hugging_face_weights
 
     hf_config = transformers.AutoConfig.from_pretrained(directory)
     weights = hugging_face_weights(directory)  # safetensors first; .bin files scanned

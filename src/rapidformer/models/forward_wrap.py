@@ -5,9 +5,8 @@ recomputation around each layer, the fused LM loss around a Hugging Face model).
 way, a closure over ``module.forward`` stored back on the module, is a reference cycle: the
 bound method references the module, the module its new forward. A module in a cycle is freed
 only when Python's cycle collector next runs, not when the last user reference goes; on a GPU
-a closed engine's model would still hold its device memory while the next one is built (the
-first GPU suite measured one configuration's peak with the previous one's parameters still
-allocated).
+a closed engine's model would still hold its device memory while the next one is built, and
+the next run's peak would count the previous one's parameters.
 
 :func:`current_forward` gives the forward to wrap, reaching the module through a weak
 reference, so that nothing the module holds leads back to it.

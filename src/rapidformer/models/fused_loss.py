@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rapidformer.step_io import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 
 CHUNK_BYTES = 2**28
 """Bytes of float32 logits one chunk may hold (256 MiB: 1,334 tokens at vocabulary 50,304)."""

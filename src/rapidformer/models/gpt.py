@@ -27,16 +27,8 @@ from rapidformer.models.stages import StagedModel
 
 @dataclass(frozen=True)
 class GPTConfig(TransformerShape):
-    """Shape of a GPT model. ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout``
-    applies to the embeddings, the attention probabilities and both residual branches."""
+    """Shape of a GPT model (the shared fields: :class:`TransformerShape`)."""
 
-    vocab_size: int
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    max_position_embeddings: int
-    ffn_hidden_size: int | None = None
-    dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
     moe: MoESpec | None = None

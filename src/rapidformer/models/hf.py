@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from rapidformer.data.finetune_data import hub_unreachable
 from rapidformer.errors import ConfigError
+from rapidformer.hub import hub_unreachable
 from rapidformer.safe_load import hugging_face_weights
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ Everything here is written so that later parallelism can cut it without rewritin
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -148,15 +149,19 @@ def gpt2_residual_std(num_layers: int, std: float = 0.02) -> float:
     return std / math.sqrt(2 * num_layers)
 
 
+@dataclass(frozen=True)
 class TransformerShape:
-    """The shape checks and the FFN width the model configs share (a mixin for their frozen
-    dataclasses, which declare these fields)."""
+    """What the built-in models' configs share: their size, its checks and the FFN width.
+    ``ffn_hidden_size=None`` means ``4 * hidden_size``; ``dropout`` applies to the embeddings,
+    the attention probabilities and both residual branches."""
 
+    vocab_size: int
+    num_layers: int
     hidden_size: int
     num_attention_heads: int
-    num_layers: int
-    ffn_hidden_size: int | None
-    dropout: float
+    max_position_embeddings: int
+    ffn_hidden_size: int | None = None
+    dropout: float = 0.1
 
     def __post_init__(self) -> None:
         """Reject shapes no model can be built with."""

@@ -15,9 +15,8 @@ the varlen kernels are the way to skip these scores, and under ``torch.compile``
 lengths would be values the graph depends on (one graph per mix of lengths): both keep SDPA over
 the whole mask, which the task passes too.
 
-An earlier version (reverted) took blocks of 128 queries over their samples' keys; it cut the
-attention's own time by 37% but ran the epoch 15% slower, because the gradient of each slice of
-a row is a zeroed tensor of the whole row. Splitting has no such cost.
+The row is split, not sliced: the gradient of a slice is a zeroed tensor of the whole row, and
+``split``'s is one ``cat`` of the pieces.
 
 The implementation is registered with transformers as :data:`NAME` and is transformers' ``sdpa``
 wherever it is not given ``packed_samples`` (unpacked data, generation) or cannot apply.
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rapidformer.models.packable import check_packable, position_offset
 
 NAME = "rapidformer_packed"
 
@@ -123,7 +124,6 @@ def prepare_packed(model: nn.Module, device: torch.device, seq_length: int | Non
     ConfigError naming ``--packing``), and switch a transformers model of :data:`FAMILIES`
     running ``sdpa`` on the CPU to :data:`NAME`; returns whether it did (the task then passes
     ``packed_samples``)."""
-    from rapidformer.data.packing import check_packable
 
     check_packable(model, seq_length)
     family = getattr(getattr(model, "config", None), "model_type", None)
@@ -137,7 +137,6 @@ def prepare_packed(model: nn.Module, device: torch.device, seq_length: int | Non
 
 def packed_attention_note(model: nn.Module) -> str:
     """How ``model`` keeps packed samples apart, and where their positions start, for the log."""
-    from rapidformer.data.packing import position_offset
 
     attention = _attention(model)
     how = f"{attention} under a block-diagonal mask"

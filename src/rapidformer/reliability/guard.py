@@ -37,7 +37,7 @@ import torch
 
 from rapidformer.distributed import process_group
 from rapidformer.errors import NonFiniteError
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.reliability.signals import StopSignals
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from rapidformer.logging import log
+from rapidformer.log import log
 
 WINDOW = 50
 """How many recent finite step losses the mean is taken over."""

@@ -1,6 +1,7 @@
 """Every loader rapidformer calls, made safe: its own files, DCP, DeepSpeed, Hugging Face.
 
-* rapidformer's own files: scanned, then ``torch.load(weights_only=True)`` (:func:`load_file`);
+* rapidformer's own files: scanned, then ``torch.load(weights_only=True)``
+  (:func:`load_torch_file`);
 * torch.distributed.checkpoint: its ``.metadata`` read by :class:`RestrictedUnpickler` instead
   of ``pickle.load`` (:class:`SafeFileSystemReader`), its non-tensor items with
   ``weights_only=True``, where DCP's own planner unpickles anything (:func:`dcp_load_planner`);
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from rapidformer.errors import CheckpointError
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.safe_load.scan import (
     RestrictedUnpickler,
     UnsafeCheckpointError,
@@ -82,7 +83,7 @@ def scan_files(files: list[Path]) -> None:
 
 
 # ---- rapidformer's own files ---------------------------------------------------------------
-def load_file(file: Path) -> Any:
+def load_torch_file(file: Path) -> Any:
     """A file rapidformer wrote: scanned, then read as tensors and plain containers only."""
     if not file.is_file():
         raise CheckpointError(f"checkpoint file {file} is missing")

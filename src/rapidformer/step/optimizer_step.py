@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -45,10 +46,13 @@ from rapidformer.schedules import WarmupDecaySchedule
 from rapidformer.state import PlanStep, TrainState
 from rapidformer.step.gradients import align_gradients, average_gradients, clip_gradients, unscale
 from rapidformer.step.scaler_state import found_inf_flags
-from rapidformer.step_io import FinishedGradients, StepOutcome
+from rapidformer.step_io import FinishedGradients, StepResult
 
 if TYPE_CHECKING:
     from rapidformer.reliability.guard import Decision
+
+
+_UNSET = object()
 
 
 class TorchStepper:
@@ -60,10 +64,14 @@ class TorchStepper:
         self.max_norm = clip_grad if clip_grad > 0 else float("inf")
         self.skips_on_device = False
         """Whether a skip is taken as a device tensor (set by :meth:`prepare`)."""
+        self._norm_group: Any = _UNSET
+        """Where the gradient norm's pieces are summed: the pipeline's stages (looked up once,
+        by :meth:`prepare` or the first step)."""
 
     def prepare(self, state: TrainState) -> PlanStep | None:
         """Choose, once the optimizer and schedule exist, where a skip is decided."""
         assert state.optimizer is not None, "compose() built no optimizer"
+        self._norm_group = state.mesh.group("pp")
         obstacle = on_device_obstacle(state.optimizer, state.lr_scheduler)
         self.skips_on_device = not obstacle
         if obstacle:
@@ -95,10 +103,12 @@ class TorchStepper:
             for flag in flags:  # summed over every rank: all of them skip, or none does
                 process_group.all_reduce_sum(flag, state.mesh.group("world"))
             overflow = torch.stack([f.to(state.device) for f in flags]).sum()
+        if self._norm_group is _UNSET:
+            self._norm_group = state.mesh.group("pp")
         norm = clip_gradients(
             parameters,
             self.max_norm,
-            state.mesh.group("pp"),
+            self._norm_group,
             state.forward_backward.norm_skips(state),
         )
         # The tensor this step reads (the schedule writes new ones after it).
@@ -106,8 +116,8 @@ class TorchStepper:
         return FinishedGradients(norm=norm.detach(), overflow=overflow, lr=lr)
 
     def update(
-        self, state: TrainState, gradients: FinishedGradients, decision: Decision
-    ) -> StepOutcome:
+        self, state: TrainState, gradients: FinishedGradients, decision: Decision, totals: Tensor
+    ) -> StepResult:
         optimizer, schedule = state.optimizer, state.lr_scheduler
         assert optimizer is not None, "compose() built no optimizer"
         skipped: torch.Tensor | bool
@@ -129,7 +139,13 @@ class TorchStepper:
             scaler.update()  # halves the scale after an overflow, from the agreed found-inf
         optimizer.zero_grad(set_to_none=not state.gradient_sync.in_buckets)
         assert gradients.norm is not None, "finish_gradients() measured it"
-        return StepOutcome(gradients.norm, gradients.lr, skipped, stop=decision.stop)
+        return StepResult.of(
+            totals,
+            grad_norm=gradients.norm,
+            lr=gradients.lr,
+            skipped=skipped,
+            stop=decision.stop,
+        )
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         whole = getattr(state.model_parts[0], "whole_model_reference", None)

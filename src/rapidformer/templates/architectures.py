@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidformer.errors import Violation
+from rapidformer.templates.tasks import TASKS, canonical_task, task_for
 
 # The Auto class of each task (tasks/*.py) -> transformers' table of model type -> class name.
 _MAPPINGS = {
@@ -68,7 +69,6 @@ def _encoder_decoder(model_type: str) -> bool:
 
 def supports(model_type: str, task: str) -> bool:
     """Whether fine-tuning ``model_type`` for ``task`` is right (see the module docstring)."""
-    from rapidformer.templates.tasks import canonical_task, task_for
 
     if canonical_task(task) == "causal_lm" and _encoder_decoder(model_type):
         return False
@@ -77,14 +77,12 @@ def supports(model_type: str, task: str) -> bool:
 
 def supported_tasks(model_type: str) -> list[str]:
     """The fine-tuning tasks ``model_type`` supports, in the order of ``TASKS``."""
-    from rapidformer.templates.tasks import TASKS
 
     return [task for task in TASKS if supports(model_type, task)]
 
 
 def task_violation(path: str, task: str) -> Violation | None:
     """A violation when the model in ``path`` has no head for ``task``."""
-    from rapidformer.templates.tasks import task_for
 
     model_type = model_type_of(path)
     if model_type is None or not _known(model_type) or supports(model_type, task):
@@ -114,7 +112,6 @@ def task_violation(path: str, task: str) -> Violation | None:
 def model_kwargs_for(path: str, task: str) -> dict[str, Any]:
     """Settings ``from_pretrained`` needs for ``task`` to be right: ``is_decoder=True`` for an
     encoder-only model loaded for causal LM (causal attention, else it sees the targets)."""
-    from rapidformer.templates.tasks import canonical_task
 
     model_type = model_type_of(path)
     if canonical_task(task) != "causal_lm" or model_type is None:

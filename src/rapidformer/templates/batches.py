@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from rapidformer.errors import DataError, HookError
-from rapidformer.step_io import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 
 StepOutput = torch.Tensor | Mapping[str, Any]
 """What ``train_step`` / ``eval_step`` return: the loss, or a dict with ``loss`` (and, for

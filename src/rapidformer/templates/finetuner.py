@@ -29,7 +29,7 @@ causal_lm (also spelled casual_lm, as in the reference tool) and seq2seq_lm.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,15 +37,13 @@ import torch
 from torch import nn
 
 from rapidformer.accel.liger import family_violation
-from rapidformer.accel.lora import lora_on
-from rapidformer.accel.lora.saving import save_run_adapter
 from rapidformer.checkpoint import gathered_model_state
-from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.packing import PackedCollate, position_offset
+from rapidformer.data.finetune_data import load_splits, training_split
+from rapidformer.data.packing import PackedCollate
 from rapidformer.distributed import process_group
 from rapidformer.errors import Violation
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.models.hf import (
     PRETRAINED_FLAG,
     check_vocabulary,
@@ -54,12 +52,15 @@ from rapidformer.models.hf import (
     save_model,
 )
 from rapidformer.models.hf_fused_loss import FAMILIES as FUSED_FAMILIES
+from rapidformer.models.packable import position_offset
 from rapidformer.models.packed_attention import packed_attention_note, prepare_packed
 from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.architectures import model_kwargs_for, model_type_of, task_violation
 from rapidformer.templates.families.gpt import document_violations
 from rapidformer.templates.hf_rules import hf_parallel_violations
+from rapidformer.templates.recipes import defaults_line, with_recipe
 from rapidformer.templates.tasks import TASKS, CausalLM, Features, Task, canonical_task, task_for
+from rapidformer.templates.tasks.base import Evaluated
 from rapidformer.templates.tasks.supervised import chat_violations, options_of, packed
 from rapidformer.templates.trainer import DataBundle, StepOutput, Trainer
 
@@ -67,9 +68,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_SEQ_LENGTH = 128
-LORA_LR = 2e-4
-"""The learning rate of adapters where --lr is open (PEFT's and TRL's LoRA examples, the QLoRA
-paper's for models up to 13B)."""
 
 
 class Finetuner(Trainer):
@@ -85,14 +83,7 @@ class Finetuner(Trainer):
     def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
         """The task's recipe (:class:`~rapidformer.templates.tasks.base.Recipe`: the Hugging
         Face examples' learning rate, epochs and warmup) for what the flags leave open."""
-        open_ = _open_choices(config)
-        task = cls.task_name or config.training.task
-        if not open_ or task is None or canonical_task(task) not in TASKS:
-            return config
-        recipe = task_for(task).recipe.flags()
-        if lora_on(config):
-            recipe["lr"] = LORA_LR  # adapters start at zero and need a larger step
-        return config.replace(**{name: recipe[name] for name in open_})
+        return with_recipe(config, cls.task_name or config.training.task)
 
     @classmethod
     def config_violations(cls, config: RapidformerConfig) -> list[Violation]:
@@ -168,21 +159,13 @@ class Finetuner(Trainer):
             )
         return violations
 
-    def __init__(
-        self,
-        config: RapidformerConfig | None = None,
-        argv: Sequence[str] | None = None,
-        **reporting: Any,
-    ) -> None:
-        """``reporting``: the Trainer's ``report_to`` and ``callbacks``."""
-        given = config if config is not None else parse_args(argv)
-        super().__init__(given, **reporting)
+    def _init_template(self) -> None:
         task = self.task_name or self.config.training.task
         assert task is not None
         self.task_key = canonical_task(task)
         """The task this run fine-tunes for (``casual_lm`` spelled ``causal_lm``)."""
         if self.engine.is_main_process:
-            self._say_defaults(given)
+            self._say_defaults(self.given_config)
         self.seq_length = self.config.model.seq_length or DEFAULT_SEQ_LENGTH
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._task: Task | None = None
@@ -195,26 +178,11 @@ class Finetuner(Trainer):
     def _say_defaults(self, given: RapidformerConfig) -> None:
         """The run's first line: what ``config_defaults`` chose where the flags were silent
         (read from the configuration, so a subclass's own choice is said as it is)."""
-        before, after = given.to_dict(), self.config.to_dict()
-        chosen = [
-            f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float)
-            else f"--{name.replace('_', '-')} {value}"
-            for section, fields in after.items()
-            for name, value in fields.items()
-            if before[section][name] != value
-        ]  # fmt: skip
-        if not chosen:
-            return
         ours = type(self).config_defaults.__func__ is Finetuner.config_defaults.__func__  # type: ignore[attr-defined]
-        source = task_for(self.task_key).recipe.source if ours else (
-            f"{type(self).__name__}.config_defaults"
-        )  # fmt: skip
-        if ours and lora_on(self.config) and given.training.lr is None:
-            source += f"; --lr {LORA_LR:g} for adapters"
-        log.info(
-            "fine-tuning defaults for %s (%s): %s; a flag given overrides each",
-            self.task_key, source, ", ".join(chosen),
-        )  # fmt: skip
+        source = None if ours else f"{type(self).__name__}.config_defaults"
+        line = defaults_line(self.task_key, given, self.config, source)
+        if line:
+            log.info(line)
 
     # ---- hooks ---------------------------------------------------------------------------
     def build_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -266,7 +234,6 @@ class Finetuner(Trainer):
         return model
 
     def build_data(self) -> DataBundle:
-        from rapidformer.data.finetune_data import load_splits, training_split
 
         data = self.config.data
         assert data.data_dir is not None
@@ -337,7 +304,8 @@ class Finetuner(Trainer):
         # Every rank calls this (it all-reduces), even one that held no validation batch.
         valid = self.data.valid if self.data is not None else None
         features = valid if isinstance(valid, Features) else None
-        return self.task.metrics(outputs, features, self.device, self.engine.mesh.group("dp"))
+        group = self.engine.mesh.group("dp")
+        return self.task.metrics(Evaluated(outputs, features, self.device, group))
 
     # ---- the task and the result ---------------------------------------------------------
     @property
@@ -375,22 +343,11 @@ class Finetuner(Trainer):
         adapters = state.frozen_base if state is not None else None
         if self.engine.is_main_process and adapters is not None and model is not None:
             # Adapters: PEFT's adapter directory (the base stays where it was read from).
-            save_run_adapter(adapters, full if full is not None else model.state_dict(), out_dir)
+            whole = full if full is not None else model.state_dict()
+            adapters.additions.save(adapters, whole, Path(out_dir))
             self.tokenizer.save_pretrained(out_dir)
             log.info("adapter (PEFT format) and tokenizer saved to %s", out_dir)
         elif self.engine.is_main_process and model is not None:
             save_model(model, self.tokenizer, out_dir, full)
             log.info("fine-tuned model and tokenizer saved to %s", out_dir)
         process_group.barrier()  # the files exist for every rank once fit() returns
-
-
-def _open_choices(config: RapidformerConfig) -> list[str]:
-    """The recipe's fields the flags leave open: the learning rate, the length (neither
-    --train-iters nor --epochs) and the warmup (neither warmup flag)."""
-    training = config.training
-    open_ = ["lr"] if training.lr is None else []
-    if training.train_iters is None and training.epochs is None:
-        open_.append("epochs")
-    if training.lr_warmup_fraction is None and not training.lr_warmup_iters:
-        open_.append("lr_warmup_fraction")
-    return open_

@@ -23,14 +23,13 @@ Pretraining is iteration-based (``--train-iters``), as in Megatron.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from rapidformer.accel.lora import lora_on
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.blended import BlendedDataset, samples_per_dataset
 from rapidformer.data.documents import document_collate
@@ -38,8 +37,9 @@ from rapidformer.data.indexed import IndexedDataset
 from rapidformer.data.splits import parse_data_path, split_ranges
 from rapidformer.data.token_check import check_token_ids
 from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.engine.order import FEATURES
 from rapidformer.errors import Violation
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.step_io import ModelInputs, call_model
 from rapidformer.templates.families import CorpusSplit, family_for, family_violations
 from rapidformer.templates.tasks.supervised import chat_violations
@@ -99,40 +99,11 @@ class Pretrainer(Trainer):
                 )
             )
         violations += chat_violations(config, "pretraining")
-        adapters = config.adapters
-        built_in = cls.build_model is Pretrainer.build_model
-        if built_in and adapters.quantize_base is not None:
-            violations.append(
-                Violation(
-                    "--quantize-base",
-                    adapters.quantize_base,
-                    "the built-in GPT and BERT are built on the meta device and get their base "
-                    "weights only once materialised and loaded: NF4 would quantise no values",
-                    "drop --quantize-base (bf16 LoRA stores the frozen linear weights in bf16)",
-                )
-            )
-        if built_in and lora_on(config) and config.checkpoint.pretrained_checkpoint is None:
-            flag = "--lora-rank" if adapters.lora_rank is not None else "--lora-adapter"
-            violations.append(
-                Violation(
-                    flag,
-                    adapters.lora_rank or adapters.lora_adapter,
-                    "adapters need a base to adapt, and the built-in model would start from a "
-                    "random initialisation",
-                    "pass the base as --pretrained-checkpoint (a finished pretraining run's "
-                    "--save directory)",
-                )
-            )
+        if cls.build_model is Pretrainer.build_model:  # built on the meta device
+            violations += [v for f in FEATURES for v in f.late_weight_rules(config)]
         return violations
 
-    def __init__(
-        self,
-        config: RapidformerConfig | None = None,
-        argv: Sequence[str] | None = None,
-        **reporting: Any,
-    ) -> None:
-        """``reporting``: the Trainer's ``report_to`` and ``callbacks``."""
-        super().__init__(config, argv, **reporting)
+    def _init_template(self) -> None:
         data = self.config.data
         assert data.tokenizer_type is not None and data.vocab_file is not None
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file)

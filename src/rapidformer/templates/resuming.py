@@ -9,13 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rapidformer.accel.lora.apply import start_adapters
 from rapidformer.checkpoint import PROGRESS, find_checkpoint, load_checkpoint
 from rapidformer.checkpoint.pretrained import load_pretrained
 from rapidformer.checkpoint.upcycle import load_upcycled
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import CheckpointError
-from rapidformer.logging import log
+from rapidformer.log import log
 from rapidformer.state import TrainState
 from rapidformer.templates.progress import Progress, consumed_here
 
@@ -25,7 +24,7 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     else ``--load``) and return the progress to continue from; a fresh Progress without."""
     checkpoints = config.checkpoint
     if checkpoints.pretrained_checkpoint is not None:
-        _start_from(checkpoints.pretrained_checkpoint, state, config, main)
+        _start_from(checkpoints.pretrained_checkpoint, state, main)
     resumable = find_checkpoint(checkpoints.save) if checkpoints.save else None
     if resumable is not None:
         # The run's own checkpoint wins over --load: rerunning a preempted command that
@@ -61,7 +60,7 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     return Progress(saved["step"], saved["epoch"], consumed, trackers)
 
 
-def _start_from(source: str, state: TrainState, config: RapidformerConfig, main: bool) -> None:
+def _start_from(source: str, state: TrainState, main: bool) -> None:
     """The whole model's weights at ``source``: where a fresh run starts, and under adapters the
     frozen base every resume needs again (their checkpoints hold no base)."""
     sha256 = load_pretrained(state, source)
@@ -69,9 +68,9 @@ def _start_from(source: str, state: TrainState, config: RapidformerConfig, main:
         # Resolved: an export run from another directory finds the base again.
         where = str(Path(source).resolve())
         state.frozen_base = replace(state.frozen_base, fingerprint=sha256, source=where)
-        # The adapters' own start, on the base now in place (DoRA's magnitude is its norms).
+        # The additions' own start, on the base now in place (DoRA's magnitude is its norms).
         for part in state.model_parts:
-            start_adapters(part, config)
+            state.frozen_base.additions.start(part)
     if main:
         log.info("weights from --pretrained-checkpoint %s", source)
 
@@ -97,7 +96,7 @@ SAME_RUN = {
 }
 """The flags a resume must share with the run that wrote the checkpoint: those that shape the
 model (a model of other heads loads its tensors without an error, and reads them wrongly) and
-the seed (another seed is another run, as a second run on one --save once showed)."""
+the seed (another seed draws other data and other dropout: another run)."""
 
 
 def _refuse_other_run(path: Path, config: RapidformerConfig) -> None:

@@ -9,10 +9,11 @@ from typing import Any
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.engine import RapidformerEngine
-from rapidformer.logging import MetricsLogger, log
+from rapidformer.log import log
 from rapidformer.state import TrainState
 from rapidformer.templates.progress import Progress
 from rapidformer.trackers import TrackerSetup
+from rapidformer.trackers.metrics import MetricsLogger
 
 
 def open_logger(

@@ -30,16 +30,16 @@ from torch.utils.data import DataLoader
 from rapidformer.checkpoint.lock import lock_save_directory
 from rapidformer.config.loading import parse_args
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.engine.engine import RapidformerEngine, StepResult
+from rapidformer.engine.engine import RapidformerEngine
 from rapidformer.errors import HookError, Preempted, Violation
-from rapidformer.logging import MetricsLogger, log
+from rapidformer.fatal import report_uncaught, set_debug
+from rapidformer.log import log
 from rapidformer.reliability.peers import naming_lost_peers
 from rapidformer.reliability.spikes import SpikeDetector
-from rapidformer.reporting import report_uncaught, set_debug
 from rapidformer.schedules import build_lr_scheduler
 from rapidformer.seeding import seed_everything
 from rapidformer.state import TrainState
-from rapidformer.step_io import ModelInputs, StepFunctions, call_model
+from rapidformer.step_io import ModelInputs, StepFunctions, StepResult, call_model
 from rapidformer.templates.batches import (
     DataBundle,
     StepOutput,
@@ -54,6 +54,7 @@ from rapidformer.templates.resuming import resume
 from rapidformer.templates.run_logging import open_logger, say_saved
 from rapidformer.templates.run_saves import RunSaves, due
 from rapidformer.templates.step_checks import check_first_output
+from rapidformer.trackers.metrics import MetricsLogger
 
 __all__ = ["DataBundle", "Progress", "StepOutput", "Trainer", "seed_everything"]
 
@@ -81,6 +82,7 @@ class Trainer(ABC):
             parsed = parsed.replace(report_to=names)
         self._callbacks = tuple(callbacks)
         set_debug(parsed.logging.debug)
+        self.given_config = parsed  # before config_defaults filled in what it left open
         self.config = type(self).config_defaults(parsed)
         # A subclass that builds its own optimizer does not need --lr.
         builds_optimizer = type(self).build_optimizer is Trainer.build_optimizer
@@ -95,6 +97,11 @@ class Trainer(ABC):
         """The model train_step and eval_step call (accelerated once fit() composed it)."""
         self._compiled_loss: Callable[..., torch.Tensor] | None = None
         self._first_output_checked = False
+        self._init_template()
+
+    def _init_template(self) -> None:  # noqa: B027 (a hook a plain Trainer leaves empty)
+        """What a template sets up once the engine exists (the Pretrainer's tokenizer, the
+        Finetuner's task); nothing for a plain Trainer."""
 
     @classmethod
     def config_defaults(cls, config: RapidformerConfig) -> RapidformerConfig:
@@ -188,6 +195,7 @@ class Trainer(ABC):
         after the step every rank agreed on, with a checkpoint there, by raising
         :class:`~rapidformer.errors.Preempted`. A collective that fails because a peer died
         raises :class:`~rapidformer.errors.PeerLostError` naming the missing rank."""
+        report_uncaught()  # a script's fit() ends as the command does on an error
         # One run per --save directory, held until the run's last file is written.
         lock = lock_save_directory(self.config.checkpoint.save, self.device)
         try:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from rapidformer.step_io import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 
 
 class Block(nn.Module):

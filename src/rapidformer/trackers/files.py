@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from rapidformer.trackers.base import TrackedRun, scalars
+from rapidformer.trackers.tracker import TrackedRun, scalars
 
 
 class JsonlTracker:

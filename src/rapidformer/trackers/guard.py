@@ -9,8 +9,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from rapidformer.logging import log
-from rapidformer.trackers.base import Tracker
+from rapidformer.log import log
+from rapidformer.trackers.tracker import Tracker
 
 
 class GuardedTrackers:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rapidformer.trackers.base import TrackedRun, flat_config, scalars
+from rapidformer.trackers.tracker import TrackedRun, flat_config, scalars
 
 DATABASE, ARTIFACTS = "mlflow.db", "mlflow-artifacts"
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import reported_to
-from rapidformer.logging import log
-from rapidformer.trackers.base import TrackedRun, Tracker
+from rapidformer.log import log
 from rapidformer.trackers.guard import CallbackTracker, GuardedTrackers
+from rapidformer.trackers.tracker import TrackedRun, Tracker
 
 _OPENERS = {
     "jsonl": ("rapidformer.trackers.files", "JsonlTracker"),

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rapidformer.trackers.base import TrackedRun, scalars
+from rapidformer.trackers.tracker import TrackedRun, scalars
 
 
 class TrackioTracker:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rapidformer.trackers.base import TrackedRun, scalars
+from rapidformer.trackers.tracker import TrackedRun, scalars
 
 
 class WandbTracker:

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from rapidformer import RapidformerConfig, RapidformerEngine, StepFunctions
-from rapidformer.data.packing import IGNORE_INDEX, collate_packed, pack_rows
+from rapidformer.data.packing import collate_packed, pack_rows
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models import packed_attention
 from rapidformer.templates.tasks import CausalLM
 from tests.helpers.host_reads import counting_host_reads

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from rapidformer.accel.lora.apply import load_adapter_tensors
 from rapidformer.accel.lora.layer import AdapterShape, attach, init_adapter, merged_weight
 from rapidformer.accel.lora.peft_format import read_settings, read_tensors
+from rapidformer.accel.lora.start import load_adapter_tensors
 from rapidformer.accel.lora.targets import modules_to_save, target_paths
 
 peft = pytest.importorskip("peft")

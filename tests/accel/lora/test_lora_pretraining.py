@@ -110,7 +110,7 @@ def test_adapters_start_from_the_pretrained_checkpoint_and_export_merged(
         _run(data, tmp_path / "narrow", "--pretrained-checkpoint", str(base_dir),
              "--train-iters", "1", "--num-layers", "1", "--lr", "1e-3")  # fmt: skip
     # --merge-lora: a plain Hugging Face GPT-2 computing what the adapted model does.
-    out = export_checkpoint(tmp_path / "dora", tmp_path / "merged", merge_lora=True)
+    out = export_checkpoint(tmp_path / "dora", tmp_path / "merged", merge_adapters=True)
     merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     adapted = dora.engine.state.unwrapped_model.eval()  # type: ignore[union-attr]
     ids = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -25,6 +25,7 @@ from rapidformer.checkpoint import find_checkpoint, save_checkpoint
 from rapidformer.checkpoint.upcycle import load_upcycled
 from rapidformer.engine import validate
 from rapidformer.errors import ConfigError
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.models.moe import MoELayer, moe_layers
 from rapidformer.models.moe_router import route
@@ -32,7 +33,6 @@ from rapidformer.state import TrainState
 from rapidformer.step_io import StepFunctions
 from rapidformer.templates.trainer import DataBundle
 from rapidformer.testing import MarkovLMDataset, lm_tokens, pad_collate
-from rapidformer.testing.tiny import IGNORE_INDEX
 from tests.helpers.steppers import Capturing
 
 GPT = GPTConfig(

@@ -3,9 +3,9 @@
 Most transformers decoders default to ``config.use_cache = True``, and then build a
 ``DynamicCache`` in every training forward: memory and time spent on nothing, and under
 ``torch.compile`` each layer's cache object is a new guard, so the block graph recompiles per
-layer until dynamo's recompile limit sends the remaining layers to eager (a 24-layer Llama ran
-0.75x of a hand-compiled one). This step turns the cache off before anything wraps the model;
-the plan says so, and saving (:func:`rapidformer.models.hf.save_model`) and generation
+layer until dynamo's recompile limit sends the remaining layers to eager. This step turns the
+cache off before anything wraps the model; the plan says so, and saving
+(:func:`rapidformer.models.hf.save_model`) and generation
 (:func:`rapidformer.models.hf.generation_cache`) get the model's own setting back.
 """
 

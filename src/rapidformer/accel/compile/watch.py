@@ -4,7 +4,8 @@
 recompile limit (8 by default), dynamo logs one warning and runs that function eagerly from
 then on. A Hugging Face decoder with its generation cache on did exactly that: each layer's
 cache object was a new guard, the shared block graph recompiled per layer, and from the ninth
-layer on the blocks ran uncompiled (0.75x of a hand-compiled model on an H200).
+layer on the blocks ran uncompiled, and the run was slower than a hand-compiled model with
+nothing said.
 
 :class:`CompileWatch` is a step monitor (``state.monitors``): after the first step it logs how
 many graphs the run compiled, and from then on every recompile-limit hit is logged as a
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rapidformer.logging import log
+from rapidformer.log import log
 
 _DYNAMO_LOGGER = "torch._dynamo.convert_frame"
 """Where dynamo reports a recompile-limit hit (torch 2.13: ``torch._dynamo hit config.

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from rapidformer.accel.deepspeed.state import DeepSpeedFormat, expected_state_bytes
 from rapidformer.accel.optim.optimizers import apply_optimizer
@@ -42,7 +43,7 @@ from rapidformer.errors import NonFiniteError, RapidformerError, Violation
 from rapidformer.memory import StateBytes
 from rapidformer.state import PlanStep, TrainState
 from rapidformer.step.forward_backward import EagerForwardBackward
-from rapidformer.step_io import FinishedGradients, StepOutcome
+from rapidformer.step_io import FinishedGradients, StepResult
 
 if TYPE_CHECKING:
     from rapidformer.reliability.guard import Decision
@@ -147,8 +148,8 @@ class DeepSpeedStepper:
         return FinishedGradients(norm=None, overflow=None, lr=state.optimizer.param_groups[0]["lr"])
 
     def update(
-        self, state: TrainState, gradients: FinishedGradients, decision: Decision
-    ) -> StepOutcome:
+        self, state: TrainState, gradients: FinishedGradients, decision: Decision, totals: Tensor
+    ) -> StepResult:
         # DeepSpeed's step cannot be skipped from outside. fp16's loss scaler skips overflow
         # steps itself; in fp32/bf16 a non-finite loss stops the run before the step.
         assert decision.report is not None, "the engine reads a host decision first"
@@ -166,7 +167,13 @@ class DeepSpeedStepper:
             state.lr_scheduler.step()
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
-        return StepOutcome(grad_norm, gradients.lr, skipped, stop=decision.stop)
+        return StepResult.of(
+            totals,
+            grad_norm=grad_norm,
+            lr=gradients.lr,
+            skipped=skipped,
+            stop=decision.stop,
+        )
 
     def expected_bytes(self, state: TrainState) -> tuple[StateBytes, StateBytes]:
         return expected_state_bytes(self.engine)

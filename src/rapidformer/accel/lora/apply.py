@@ -17,30 +17,24 @@ base model's. ``--lora-adapter DIR`` starts from an adapter rapidformer or PEFT 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
-import zlib
-from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.lora.layer import (
-    ADAPTER_PARAMETER,
     adapted_layers,
     attach,
     base_weight,
-    init_adapter,
     is_conv1d,
     tensor_parallel_style,
 )
 from rapidformer.accel.lora.peft_format import (
+    DEFINING_KEYS,
     TASK_TYPES,
     AdapterSettings,
     peft_config,
-    read_tensors,
 )
 from rapidformer.accel.lora.quantize import (
     NF4_BLOCK,
@@ -48,8 +42,10 @@ from rapidformer.accel.lora.quantize import (
     quantize_base,
     store_frozen,
 )
-from rapidformer.accel.lora.rules import lora_on
+from rapidformer.accel.lora.rules import late_weight_rules, lora_on
 from rapidformer.accel.lora.settings import settings_of
+from rapidformer.accel.lora.slot import Adapters
+from rapidformer.accel.lora.start import base_fingerprint, start_adapters
 from rapidformer.accel.lora.targets import (
     is_output_head,
     modules_to_save,
@@ -59,7 +55,6 @@ from rapidformer.accel.lora.targets import (
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
-from rapidformer.models.stages import assign_piece
 from rapidformer.state import FrozenBase, PlanStep, TrainState
 
 
@@ -69,20 +64,10 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
     settings = settings_of(config)
     (model,) = state.model_parts  # pipeline parallelism is refused by the rules
     on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta and not config.planning.dry_run and config.checkpoint.pretrained_checkpoint is None:
-        raise ConfigError.single(
-            "--lora-rank", config.adapters.lora_rank,
-            f"{type(model).__name__} is built on the meta device (as the Pretrainer's built-in "
-            "GPT and BERT are): its weights would be a random initialisation, not a base to adapt",
-            "pass the base as --pretrained-checkpoint (a finished run's checkpoint)",
-        )  # fmt: skip
-    if on_meta and not config.planning.dry_run and config.adapters.quantize_base is not None:
-        raise ConfigError.single(
-            "--quantize-base", config.adapters.quantize_base,
-            f"{type(model).__name__} is built on the meta device and gets its base weights only "
-            "once materialised and loaded: NF4 would quantise no values",
-            "drop --quantize-base (bf16 LoRA stores the frozen linear weights in bf16)",
-        )  # fmt: skip
+    if on_meta and not config.planning.dry_run:  # a model's init would be its base
+        refused = list(late_weight_rules(config))
+        if refused:
+            raise ConfigError(refused)
     if settings.modules_to_save:  # an adapter's
         saved = present_modules(model, settings.modules_to_save)
     else:
@@ -126,7 +111,9 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
         trainable=trainable,
         fingerprint=fingerprint,
         source=settings.base or type(model).__name__,
+        additions=Adapters(config),
         adapter_config=peft_config(written),
+        defining_keys=DEFINING_KEYS,
         model_config=_hugging_face_config(model),
     )
     state.plan.append(_plan_step(model, settings, targets, saved, stored))
@@ -230,71 +217,6 @@ def _blocks_see_gradient_inputs(model: nn.Module) -> None:
 
 def _needs_gradient(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
-
-
-def start_adapters(model: nn.Module, config: RapidformerConfig) -> None:
-    """The adapters' first values: the ``--lora-adapter``'s, else fresh ones drawn from a
-    generator seeded by ``--seed`` and the layer's path (the same values on any layout)."""
-    for path, layer in adapted_layers(model).items():
-        seed = (config.training.seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
-        init_adapter(layer, torch.Generator().manual_seed(seed))
-    source = config.adapters.lora_adapter
-    if source is not None:
-        load_adapter_tensors(model, read_tensors(source), source)
-
-
-def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy an adapter's tensors into the adapted model; every adapter tensor the model has
-    must come, with its shape."""
-    own = dict(model.named_parameters())
-    expected = {n for n in own if own[n].requires_grad}
-    missing = sorted(expected - set(tensors))
-    unknown = sorted(set(tensors) - expected)  # frozen base weights are not the adapter's
-    wrong = [
-        f"{n} is {tuple(t.shape)} there, {tuple(own[n].shape)} in the model"
-        for n, t in tensors.items()
-        if n in own and tuple(t.shape) != tuple(own[n].shape)
-    ]
-    if missing or unknown or wrong:
-        problems = (
-            [f"the model's {n} is not in it" for n in missing[:3]]
-            + [
-                f"its {n} is no adapter or trained module of {type(model).__name__}"
-                for n in unknown[:3]
-            ]
-            + wrong[:3]
-        )
-        raise ConfigError.single(
-            "--lora-adapter", source,
-            "does not fit this model (an adapter of another base or another task?): "
-            + "; ".join(problems),
-            "pass the adapter made for this --pretrained-model-name-or-path",
-        )  # fmt: skip
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            assign_piece(own[name], tensor.to(own[name].dtype))
-
-
-def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
-    """SHA-256 of the frozen base's parameters (not the modules trained in full: a new head
-    starts random, and checkpoints hold it): a checkpoint of adapters refuses to resume on
-    another base."""
-    return fingerprint(
-        (name, parameter.full_tensor() if isinstance(parameter, DTensor) else parameter)
-        for name, parameter in model.named_parameters()
-        if not any(name.startswith(s + ".") for s in saved) and ADAPTER_PARAMETER not in name
-    )
-
-
-def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over the names, shapes, dtypes and bytes of whole tensors, in the given order
-    (one tensor at a time: a generator gathers each sharded weight only when it is hashed)."""
-    digest = hashlib.sha256()
-    for name, tensor in named:
-        whole = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}:{tuple(whole.shape)}:{whole.dtype};".encode())
-        digest.update(whole.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _plan_step(

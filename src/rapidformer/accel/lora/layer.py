@@ -29,6 +29,7 @@ The terms, with ``s = alpha / rank`` (rsLoRA: ``alpha / sqrt(rank)``) and ``d`` 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,9 @@ ADAPTER_PARAMETER = ".lora_"
 
 SHAPE = "lora_shape"
 """The attribute holding an adapted layer's :class:`AdapterShape`."""
+
+HOOK = "lora_hook"
+"""The attribute holding the handle of an adapted layer's forward hook."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,11 @@ class LoraProjection(nn.Module):
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's linear layers, weight stored in x out), told by its
-    name so that transformers need not be imported."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear layers, weight stored in
+    x out). Checked against the class itself where transformers defined it: a model can hold
+    one only once its module is loaded, so nothing is imported for the check."""
+    defined = sys.modules.get("transformers.pytorch_utils")
+    return defined is not None and isinstance(module, defined.Conv1D)
 
 
 def features(linear: nn.Module) -> tuple[int, int]:
@@ -115,7 +121,7 @@ def attach(linear: nn.Module, shape: AdapterShape) -> None:
         magnitude = nn.Parameter(torch.empty(outputs, device=device))
         linear.register_parameter("lora_magnitude_vector", magnitude)
     setattr(linear, SHAPE, shape)  # a plain attribute: read by the hook, merge and save
-    linear.register_forward_hook(_add_adapter_term)
+    setattr(linear, HOOK, linear.register_forward_hook(_add_adapter_term))
 
 
 def tensor_parallel_style(weight: torch.Tensor) -> str | None:
@@ -141,7 +147,7 @@ def _shard_factors(linear: nn.Module, weight: DTensor) -> None:
     if style not in placements:
         raise ValueError(f"a weight laid out as {weight.placements} takes no adapter")
     for name, placement in zip(("lora_A", "lora_B"), placements[style], strict=True):
-        factor = linear._modules[name]
+        factor = linear.get_submodule(name)
         assert isinstance(factor, LoraProjection)
         whole = factor.weight.detach()  # its values kept: each rank takes its piece
         local = distribute_tensor(whole, weight.device_mesh, [placement])
@@ -157,10 +163,8 @@ def follow_tensor_parallel(linear: nn.Module) -> None:
     weight = base_weight(linear)
     if isinstance(weight, DTensor):
         _shard_factors(linear, weight)
-    hooks = linear._forward_hooks
-    for key in [k for k, hook in hooks.items() if hook is _add_adapter_term]:
-        del hooks[key]
-    linear.register_forward_hook(_add_adapter_term)
+    getattr(linear, HOOK).remove()
+    setattr(linear, HOOK, linear.register_forward_hook(_add_adapter_term))
 
 
 @dataclass(frozen=True)
@@ -175,20 +179,19 @@ class Parts:
 
 
 def parts(linear: nn.Module) -> Parts:
-    modules, parameters = linear._modules, linear._parameters
-    a, b = modules["lora_A"], modules["lora_B"]
+    a, b = linear.get_submodule("lora_A"), linear.get_submodule("lora_B")
     assert isinstance(a, LoraProjection) and isinstance(b, LoraProjection)
     return Parts(
         a.weight,
         b.weight,
-        parameters.get("lora_magnitude_vector"),
-        modules["lora_dropout"] or nn.Identity(),
-        linear.__dict__[SHAPE],
+        getattr(linear, "lora_magnitude_vector", None),
+        linear.get_submodule("lora_dropout"),
+        getattr(linear, SHAPE),
     )
 
 
 def is_adapted(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get(SHAPE), AdapterShape)
+    return isinstance(getattr(module, SHAPE, None), AdapterShape)
 
 
 def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -215,7 +218,7 @@ def init_adapter(linear: nn.Module, generator: torch.Generator) -> None:
 
 
 def base_weight(linear: nn.Module) -> torch.Tensor:
-    weight = linear._parameters["weight"]
+    weight = linear.get_parameter("weight")
     assert weight is not None
     return weight
 
@@ -252,7 +255,7 @@ def _add_adapter_term(
         return output + scaling * term
     scale = _magnitude_scale(linear, adapter, x.dtype)
     if isinstance(adapter.dropout, nn.Identity):
-        bias = linear._parameters.get("bias")
+        bias = getattr(linear, "bias", None)
         plain = output - bias if bias is not None else output
     else:
         plain = F.linear(x, dense_weight(linear).to(x.dtype))

@@ -8,8 +8,9 @@ keeps its path in rapidformer (:mod:`rapidformer.accel.lora.layer`), and PEFT dr
 name (``default``) when it saves. The modules trained in full are saved the same way, whole.
 
 Only what rapidformer's layer computes is read: LoRA, DoRA and rsLoRA on linear layers with no
-adapter bias, one rank and alpha for all layers. Any other PEFT option is refused by name,
-never ignored.
+adapter bias, one rank and alpha for all layers. The keys are read through an allowlist
+(:func:`refused_option`): those handled, those that change nothing computed, and every other
+one only at the value that leaves it off; anything else is refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -37,7 +38,23 @@ TASK_TYPES = {
     "seq2seq_lm": "SEQ_2_SEQ_LM",
 }
 """rapidformer's task -> PEFT's task type (which PeftModel class loads the adapter)."""
-_NEUTRAL: dict[str, tuple[object, ...]] = {
+HANDLED = frozenset({
+    "peft_type", "task_type", "base_model_name_or_path", "r", "lora_alpha", "lora_dropout",
+    "use_dora", "use_rslora", "target_modules", "modules_to_save", "fan_in_fan_out",
+})  # fmt: skip
+"""``adapter_config.json`` keys rapidformer reads and computes with."""
+DEFINING_KEYS = (
+    "r", "lora_alpha", "use_dora", "use_rslora", "target_modules", "modules_to_save",
+    "fan_in_fan_out",
+)  # fmt: skip
+"""The handled keys that decide what the adapters compute: a resume must agree on each."""
+NEUTRAL = frozenset({
+    "auto_mapping", "peft_version", "revision", "inference_mode", "runtime_config",
+    # Each means something only beside an option below, which must then be off.
+    "megatron_core", "layers_pattern", "qalora_group_size",
+})  # fmt: skip
+"""Keys that change nothing the layer computes (provenance, and how PEFT runs it)."""
+OFF_ONLY: dict[str, tuple[object, ...]] = {
     "bias": ("none",),
     "lora_bias": (False, None),
     "rank_pattern": ({}, None),
@@ -51,6 +68,8 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "alora_invocation_tokens": (None,),
     "use_bdlora": (None, False),
     "monteclora_config": (None,),
+    "megatron_config": (None,),
+    "ensure_weight_tying": (False, None),
     # PiSSA, OLoRA, CorDA, LoftQ ... initialise from the base and change it: not plain LoRA.
     "init_lora_weights": (True, False, "gaussian"),
     "loftq_config": ({}, None),
@@ -61,7 +80,23 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "arrow_config": (None,),
     "velora_config": (None,),
 }
-"""PEFT options rapidformer's layer does not implement, with the values that leave them off."""
+"""PEFT options rapidformer's layer does not implement, with the values that leave them off
+(PEFT's defaults)."""
+_OFF: tuple[object, ...] = (None, False, {}, [])
+"""What a key rapidformer does not know may hold: a later PEFT's option, left at nothing."""
+
+
+def refused_option(config: Mapping[str, Any]) -> tuple[str, object] | None:
+    """The first ``adapter_config.json`` key that asks for something rapidformer's layer does
+    not compute, with its value; None when every key is handled, neutral or off. An allowlist:
+    a key PEFT adds later is refused unless it holds nothing."""
+    for key, value in config.items():
+        if key in HANDLED or key in NEUTRAL:
+            continue
+        off = OFF_ONLY.get(key, _OFF)
+        if not any(value == o and type(value) is type(o) for o in off):
+            return key, value
+    return None
 
 
 @dataclass(frozen=True)
@@ -163,14 +198,16 @@ def settings_from(config: Mapping[str, Any], where: str) -> AdapterSettings:
             f"is a {config.get('peft_type')} adapter; rapidformer trains LoRA (and DoRA, rsLoRA)",
             "pass a LoRA adapter",
         )  # fmt: skip
-    for option, neutral in _NEUTRAL.items():
-        if config.get(option, neutral[0]) not in neutral:
-            raise ConfigError.single(
-                flag, value,
-                f"uses PEFT's {option}={config[option]!r}, which rapidformer's adapter layer "
-                "does not implement",
-                "train that adapter with PEFT, or start fresh adapters with --lora-rank",
-            )  # fmt: skip
+    refused = refused_option(config)
+    if refused is not None:
+        option, setting = refused
+        known = "" if option in OFF_ONLY else " (an option rapidformer does not know)"
+        raise ConfigError.single(
+            flag, value,
+            f"uses PEFT's {option}={setting!r}{known}, which rapidformer's adapter layer "
+            "does not implement",
+            "train that adapter with PEFT, or start fresh adapters with --lora-rank",
+        )  # fmt: skip
     if config.get("use_dora") and config.get("use_rslora"):
         raise ConfigError.single(
             flag, value,

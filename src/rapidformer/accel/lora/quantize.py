@@ -15,6 +15,9 @@ not one torchao overrides), and the plan lists them.
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 from torch import nn
 
@@ -28,7 +31,7 @@ def quantize_base(layers: dict[str, nn.Module], shards: int = 1) -> tuple[list[s
     """Store each layer's weight in NF4 where its shape allows, in bf16 where not; returns
     (quantised paths, paths kept in bf16). ``shards``: the ranks FSDP2 will split each weight
     over (its rows, and each of the NF4 tensor's parts, must divide evenly)."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    to_nf4 = importlib.import_module(NF4_MODULE).to_nf4
 
     quantised: list[str] = []
     kept: list[str] = []
@@ -66,5 +69,13 @@ def store_frozen(model: nn.Module, dtype: torch.dtype, *, linear_only: bool) -> 
                     setattr(module, name, stored[id(parameter)])
 
 
+NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+"""Where torchao defines ``NF4Tensor``."""
+
+
 def is_nf4(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "NF4Tensor"
+    """Whether ``tensor`` is torchao's ``NF4Tensor``, checked against the class itself where
+    torchao defined it (a tensor can be one only once its module is loaded: nothing is
+    imported for the check)."""
+    defined = sys.modules.get(NF4_MODULE)
+    return defined is not None and isinstance(tensor, defined.NF4Tensor)

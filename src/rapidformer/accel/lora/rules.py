@@ -82,6 +82,34 @@ def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]
             )  # fmt: skip
 
 
+LORA_LR = 2e-4
+"""The learning rate of adapters where --lr is open (PEFT's and TRL's LoRA examples, the QLoRA
+paper's for models up to 13B)."""
+
+
+def late_weight_rules(config: RapidformerConfig) -> Iterator[Violation]:
+    """A base built on the meta device has its values only once ``--pretrained-checkpoint`` is
+    read: adapters need that checkpoint, and NF4 would quantise nothing."""
+    adapters = config.adapters
+    meta = "a model built on the meta device (as the Pretrainer's built-in GPT and BERT are)"
+    if adapters.quantize_base is not None:
+        yield Violation(
+            "--quantize-base", adapters.quantize_base,
+            f"{meta} gets its base weights only once materialised and loaded: NF4 would "
+            "quantise no values",
+            "drop --quantize-base (bf16 LoRA stores the frozen linear weights in bf16)",
+        )  # fmt: skip
+    if lora_on(config) and config.checkpoint.pretrained_checkpoint is None:
+        flag = "--lora-rank" if adapters.lora_rank is not None else "--lora-adapter"
+        yield Violation(
+            flag, adapters.lora_rank or adapters.lora_adapter,
+            f"adapters need a base to adapt, and {meta} would start from a random "
+            "initialisation",
+            "pass the base as --pretrained-checkpoint (a finished pretraining run's --save "
+            "directory)",
+        )  # fmt: skip
+
+
 FEATURE = Feature(
     "adapters",
     flags=("--lora-rank", "--lora-adapter", *("--" + f.replace("_", "-") for f in _LORA_FLAGS)),
@@ -90,4 +118,6 @@ FEATURE = Feature(
         (config.adapters.lora_rank or config.adapters.lora_adapter) if lora_on(config) else None
     ),
     refused_on={"deepspeed": "DeepSpeed's engine is not given the adapters' frozen base yet"},
+    recipe={"lr": LORA_LR},
+    late_weight_rules=late_weight_rules,
 )

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from rapidformer.accel.lora.layer import is_conv1d, merge
 from rapidformer.accel.lora.peft_format import adapter_tensors, save_adapter, settings_from
+from rapidformer.accel.lora.start import base_fingerprint
 from rapidformer.errors import CheckpointError
-from rapidformer.state import FrozenBase
+from rapidformer.state import FrozenBase, Tensors
 
 AUTO_CLASSES = {
     "SEQ_CLS": "AutoModelForSequenceClassification",
@@ -84,8 +87,6 @@ def merge_into(
 ) -> None:
     """Fold a checkpoint's adapters (``record``: its ``frozen_base``) into ``model``, which
     holds the base they were trained on (checked by its fingerprint)."""
-    from rapidformer.accel.lora.apply import base_fingerprint
-
     settings = settings_from(record["adapter"], "--merge-lora (the checkpoint's adapter)")
     if base_fingerprint(model, list(settings.modules_to_save)) != record["sha256"]:
         raise CheckpointError(
@@ -127,3 +128,26 @@ def _copy_tokenizer(source: str, out_dir: str | Path) -> None:
 
     with contextlib.suppress(OSError, ValueError):  # a base saved without its tokenizer
         AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """How export writes a checkpoint of adapters (:class:`rapidformer.state.FrozenBaseExport`):
+    PEFT's adapter directory, or with ``--merge-lora`` the base with the adapters folded in."""
+
+    merge_flag: str = "--merge-lora"
+    merge_help: str = (
+        "a checkpoint of adapters: write the base with the adapters folded in (a plain Hugging "
+        "Face model) instead of PEFT's adapter directory"
+    )
+
+    def write(
+        self, record: Mapping[str, Any], trained: Tensors, out_dir: Path, merge: bool
+    ) -> Path:
+        return export_adapter(record, trained, out_dir, merge_lora=merge)
+
+    def merge_into(self, model: nn.Module, record: Mapping[str, Any], trained: Tensors) -> None:
+        merge_into(model, record, trained)
+
+
+EXPORT = AdapterExport()

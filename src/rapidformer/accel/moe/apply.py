@@ -19,7 +19,7 @@ ep group's tokens.
 
 Around each step the engine calls :class:`~rapidformer.accel.moe.control.MoEControl` (loss
 scales in, expert bias and statistics out); the flags' rules live in
-:mod:`rapidformer.accel.moe.rules`, upcycling in :mod:`rapidformer.accel.moe.upcycling`.
+:mod:`rapidformer.accel.moe.rules`, upcycling in :mod:`rapidformer.models.upcycling`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from rapidformer.accel.moe.control import MoEControl
 from rapidformer.accel.moe.rules import moe_enabled, moe_spec
-from rapidformer.accel.moe.upcycling import upcycle_in_place
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import ConfigError
 from rapidformer.models.moe import MoELayer, MoESpec, expert_parameters, install_moe, moe_layers
 from rapidformer.models.moe_router import MoERuntime
+from rapidformer.models.upcycling import upcycle_in_place
 from rapidformer.state import ExpertParallel, PlanStep, TrainState
 
 

@@ -26,12 +26,10 @@ The trust ratio is 1 when either norm is 0 (fresh zero-initialised tensors). Par
 without a gradient are skipped and their step counters do not advance.
 
 ``compiled=True`` runs the same update through ``torch.compile``: inductor fuses the chain of
-multi-tensor ops (about fifteen passes over every tensor) into a few kernels. Measured on
-this project's CPU (AMD EPYC, 2 cores) over 51.9M parameters: 1.36x faster than the
-multi-tensor step (still 5.6x fused AdamW's step there), after a first step that compiles
-(5-19 s, with and without inductor's cache), results within 2.4e-7
-(docs/results/optimizers.md). rapidformer turns it on for CUDA parameters, where the fused
-kernels matter most (the GPU suite times it).
+multi-tensor ops (about fifteen passes over every tensor) into a few kernels, after a first
+step that compiles; docs/results/optimizers.md has its speed and its distance from the
+multi-tensor step. rapidformer turns it on for CUDA parameters, where the fused kernels matter
+most (the GPU suite times it).
 
 Like torch's fused optimizers, ``step()`` reads two optional attributes that GradScaler and
 rapidformer's stepper set: ``grad_scale`` (divide the gradients by it first) and ``found_inf``

@@ -43,7 +43,7 @@ _REPLACED = {
     "PreTrainedModel": "a transformers or torch.nn model returned from the provider hook",
     "get_tokenizer": "transformers.AutoTokenizer.from_pretrained(a model directory)",
     "get_timers": "the step times rapidformer logs every --log-interval steps",
-    "print_rank_0": "rapidformer.logging.log (only rank 0 prints)",
+    "print_rank_0": "rapidformer.log.log (only rank 0 prints)",
 }
 
 

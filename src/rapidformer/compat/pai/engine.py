@@ -34,7 +34,7 @@ from rapidformer.config.env import LaunchEnv
 from rapidformer.config.loading import ArgsProvider, parse_args_with_extras
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.engine.engine import RapidformerEngine as _Engine
-from rapidformer.engine.engine import StepResult
+from rapidformer.step_io import StepResult
 from rapidformer.templates.batches import move_to_device
 
 _ARGS: argparse.Namespace | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypedDict
 
@@ -21,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.indexed import IndexedDataset
+from rapidformer.data.splits import CorpusSplit
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.distributed.process_group import Group
 from rapidformer.errors import Violation
@@ -54,36 +53,6 @@ def model_shape(config: RapidformerConfig, vocab_size: int) -> ModelShape:
         max_position_embeddings=model.max_position_embeddings or model.seq_length,
         dropout=model.hidden_dropout,
     )
-
-
-@dataclass(frozen=True)
-class CorpusSplit:
-    """One corpus's documents of one split and the samples to draw from them: what every
-    pretraining dataset is built from."""
-
-    indexed: IndexedDataset
-    prefix: str
-    name: str
-    """``train``, ``valid`` or ``test``."""
-    doc_start: int
-    doc_end: int
-    num_samples: int | None
-    """None: one pass over the split's documents."""
-    seq_length: int
-    seed: int
-
-    def args(self) -> tuple[IndexedDataset, str, str, int, int, int | None, int, int]:
-        """The leading positional arguments of the built-in datasets, in their order."""
-        return (
-            self.indexed,
-            self.prefix,
-            self.name,
-            self.doc_start,
-            self.doc_end,
-            self.num_samples,
-            self.seq_length,
-            self.seed,
-        )
 
 
 class PretrainFamily(ABC):

@@ -18,11 +18,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.bert_dataset import IGNORE_INDEX, BertDataset, bert_collate
+from rapidformer.data.bert_dataset import BertDataset, bert_collate
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.distributed import process_group
 from rapidformer.distributed.process_group import Group
 from rapidformer.errors import Violation
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.bert import BertConfig, BertModel
 from rapidformer.step_io import ModelInputs, local_loss, whole
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
@@ -46,7 +47,7 @@ class BertFamily(PretrainFamily):
         assert tokenizer.cls is not None and tokenizer.sep is not None
         assert tokenizer.mask is not None
         return BertDataset(
-            *split.args(),
+            split,
             cls=tokenizer.cls,
             sep=tokenizer.sep,
             mask=tokenizer.mask,

@@ -16,10 +16,11 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.documents import DOCUMENT_INPUTS, IGNORE_INDEX
+from rapidformer.data.documents import DOCUMENT_INPUTS
 from rapidformer.data.gpt_dataset import GPTDataset
 from rapidformer.data.tokenizers import RapidTokenizer
 from rapidformer.errors import Violation
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import ModelInputs
 from rapidformer.templates.families.base import CorpusSplit, PretrainFamily, model_shape
@@ -71,7 +72,7 @@ class GPTFamily(PretrainFamily):
         return GPTModel.build(shape, device=device, seed=config.training.seed)
 
     def dataset(self, split: CorpusSplit, tokenizer: RapidTokenizer) -> Dataset:
-        return GPTDataset(*split.args())
+        return GPTDataset(split)
 
     def collate(self, tokenizer: RapidTokenizer, seq_length: int | None) -> Callable[..., Any]:
         return default_collate  # every GPT sample has --seq-length tokens

@@ -6,7 +6,7 @@ the split step (``inputs``, ``loss``, ``weight``), ``statistics`` of an evaluate
 ``metrics`` over every rank's statistics.
 """
 
-from rapidformer.templates.batches import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.templates.tasks.base import TASKS, Features, Task, canonical_task
 from rapidformer.templates.tasks.classification import SequenceClassification
 from rapidformer.templates.tasks.language_modeling import CausalLM, MaskedLM, Seq2SeqLM

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.data import Dataset
 
-from rapidformer.distributed.process_group import Group
+from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
 
 if TYPE_CHECKING:
@@ -109,6 +109,25 @@ class Recipe:
 
     def flags(self) -> dict[str, object]:
         return {"lr": self.lr, "epochs": self.epochs, "lr_warmup_fraction": self.warmup_fraction}
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """What one evaluation gathered on this rank, to be summed with the other data-parallel
+    ranks'."""
+
+    outputs: list[Mapping[str, Any]]
+    """The statistics of each batch this rank evaluated (empty where it evaluated none)."""
+    valid: Dataset | None
+    """The validation split (the features some metrics map predictions back through)."""
+    device: torch.device | None
+    group: Group
+    """The data-parallel ranks."""
+
+    def total(self, key: str, size: int = 1) -> torch.Tensor:
+        """``key``'s statistic (a scalar, or a vector of ``size``) summed over this rank's
+        batches and every rank."""
+        return sum_over_ranks(self.outputs, key, self.device, self.group, size=size)
 
 
 class Task:
@@ -190,16 +209,10 @@ class Task:
         ``loss``."""
         return {}
 
-    def metrics(
-        self,
-        outputs: list[Mapping[str, Any]],
-        valid: Dataset | None,
-        device: torch.device | None,
-        group: Group,
-    ) -> dict[str, float]:
+    def metrics(self, evaluated: Evaluated) -> dict[str, float]:
         """Metrics from this rank's eval outputs summed with the other data-parallel ranks'
-        (``group``). Every rank calls it, also one that evaluated no batch (its outputs are
-        empty)."""
+        (:meth:`Evaluated.total`). Every rank calls it, also one that evaluated no batch (its
+        outputs are empty)."""
         raise NotImplementedError
 
     def _labels_from(

@@ -7,10 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
-from rapidformer.distributed.process_group import Group, sum_over_ranks
-from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column, texts_of
+from rapidformer.templates.tasks.base import (
+    Evaluated,
+    Features,
+    Recipe,
+    Task,
+    class_names,
+    column,
+    texts_of,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -48,17 +54,11 @@ class SequenceClassification(Task):
         k = logits.shape[-1]
         return {"confusion": torch.bincount(labels * k + logits.argmax(-1), minlength=k * k)}
 
-    def metrics(
-        self,
-        outputs: list[Mapping[str, Any]],
-        valid: Dataset | None,
-        device: torch.device | None,
-        group: Group,
-    ) -> dict[str, float]:
+    def metrics(self, evaluated: Evaluated) -> dict[str, float]:
         assert self.labels is not None
         k = len(self.labels)
         # Rows: true label, columns: predicted.
-        confusion = sum_over_ranks(outputs, "confusion", device, group, size=k * k).view(k, k)
+        confusion = evaluated.total("confusion", size=k * k).view(k, k)
         true_positive = confusion.diagonal()
         precision = true_positive / confusion.sum(0).clamp(min=1)
         recall = true_positive / confusion.sum(1).clamp(min=1)

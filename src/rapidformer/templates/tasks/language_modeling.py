@@ -8,13 +8,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 from rapidformer.data.packing import packed_mask
-from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
-from rapidformer.templates.batches import IGNORE_INDEX
-from rapidformer.templates.tasks.base import Features, Recipe, Task, column, encoded_rows, pad_rows
+from rapidformer.labels import IGNORE_INDEX
+from rapidformer.templates.tasks.base import (
+    Evaluated,
+    Features,
+    Recipe,
+    Task,
+    column,
+    encoded_rows,
+    pad_rows,
+)
 from rapidformer.templates.tasks.supervised import (
     ChatOptions,
     is_supervised_data,
@@ -72,16 +78,10 @@ class LanguageModeling(Task):
             "correct": ((logits.float().argmax(-1) == labels) & scored).sum(),
         }
 
-    def metrics(
-        self,
-        outputs: list[Mapping[str, Any]],
-        valid: Dataset | None,
-        device: torch.device | None,
-        group: Group,
-    ) -> dict[str, float]:
-        loss_sum = sum_over_ranks(outputs, "loss_sum", device, group)
-        tokens = sum_over_ranks(outputs, "num_tokens", device, group).clamp(min=1)
-        correct = sum_over_ranks(outputs, "correct", device, group)
+    def metrics(self, evaluated: Evaluated) -> dict[str, float]:
+        loss_sum = evaluated.total("loss_sum")
+        tokens = evaluated.total("num_tokens").clamp(min=1)
+        correct = evaluated.total("correct")
         return {
             "perplexity": math.exp(min(float(loss_sum / tokens), 50.0)),
             "token_accuracy": float(correct / tokens),
@@ -151,7 +151,7 @@ class CausalLM(LanguageModeling):
     (:mod:`rapidformer.models.packed_attention`): it is given which sample each token is of."""
     position_offset = 0
     """Added to packed rows' positions (which restart at 0 in each sample) for a model that
-    counts positions from elsewhere (:func:`rapidformer.data.packing.position_offset`)."""
+    counts positions from elsewhere (:func:`rapidformer.models.packable.position_offset`)."""
 
     def __init__(
         self,

@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
-from rapidformer.distributed.process_group import Group, all_reduce_sum
+from rapidformer.distributed.process_group import all_reduce_sum
 from rapidformer.errors import DataError
-from rapidformer.templates.tasks.base import Features, Recipe, Task, column
+from rapidformer.templates.tasks.base import Evaluated, Features, Recipe, Task, column
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -138,18 +137,13 @@ class QuestionAnswering(Task):
             "span_chars": chars,
         }
 
-    def metrics(
-        self,
-        outputs: list[Mapping[str, Any]],
-        valid: Dataset | None,
-        device: torch.device | None,
-        group: Group,
-    ) -> dict[str, float]:
+    def metrics(self, evaluated: Evaluated) -> dict[str, float]:
+        valid, device = evaluated.valid, evaluated.device
         assert isinstance(valid, Features), "QA metrics need the prepared validation features"
         # One row per validation window, filled by the rank that evaluated it; the sum over
         # ranks is the whole table, so an example's windows meet whichever ranks scored them.
         table = torch.zeros(len(valid), 4, dtype=torch.float64, device=device)
-        for o in outputs:
+        for o in evaluated.outputs:
             table[o["feature_index"].to(device)] = torch.cat(
                 [
                     torch.ones_like(o["span_score"])[:, None],
@@ -158,7 +152,7 @@ class QuestionAnswering(Task):
                 ],
                 dim=-1,
             ).to(device=table.device, dtype=table.dtype)
-        all_reduce_sum(table, group)
+        all_reduce_sum(table, evaluated.group)
         best: dict[int, tuple[float, int, int]] = {}
         for index, (scored, score, first, last) in enumerate(table.tolist()):
             if not scored:

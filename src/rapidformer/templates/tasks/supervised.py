@@ -18,7 +18,7 @@ from rapidformer.data.chat import data_format, samples
 from rapidformer.data.chat_masks import ChatRenderer
 from rapidformer.data.packing import pack_rows, packing_note
 from rapidformer.errors import DataError, Violation
-from rapidformer.templates.batches import IGNORE_INDEX
+from rapidformer.labels import IGNORE_INDEX
 from rapidformer.templates.tasks.base import Features
 
 if TYPE_CHECKING:

@@ -7,12 +7,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
-from rapidformer.distributed.process_group import Group, sum_over_ranks
 from rapidformer.errors import DataError
-from rapidformer.templates.batches import IGNORE_INDEX
-from rapidformer.templates.tasks.base import Features, Recipe, Task, class_names, column
+from rapidformer.labels import IGNORE_INDEX
+from rapidformer.templates.tasks.base import Evaluated, Features, Recipe, Task, class_names, column
 
 if TYPE_CHECKING:
     from datasets import Dataset as HFDataset
@@ -82,19 +80,10 @@ class TokenClassification(Task):
             "entities": counts,
         }
 
-    def metrics(
-        self,
-        outputs: list[Mapping[str, Any]],
-        valid: Dataset | None,
-        device: torch.device | None,
-        group: Group,
-    ) -> dict[str, float]:
-        entity_counts = sum_over_ranks(outputs, "entities", device, group, size=3)
+    def metrics(self, evaluated: Evaluated) -> dict[str, float]:
+        entity_counts = evaluated.total("entities", size=3)
         matched, predicted, gold = entity_counts.tolist()
-        correct, tokens = (
-            sum_over_ranks(outputs, "correct", device, group),
-            sum_over_ranks(outputs, "num_tokens", device, group),
-        )
+        correct, tokens = evaluated.total("correct"), evaluated.total("num_tokens")
         precision, recall = matched / max(predicted, 1), matched / max(gold, 1)
         return {
             "precision": precision,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rapidformer.errors import ConfigError, DataError
-from rapidformer.reporting import report
+from rapidformer.fatal import report
 
 CONFIG = ConfigError.single("--data-path", "corpus", "the file must exist", "check the path")
 

@@ -72,7 +72,7 @@ def test_console_log_lines_go_to_the_current_stderr(monkeypatch: pytest.MonkeyPa
     import io
     import sys
 
-    from rapidformer.logging import log, setup_console_logging
+    from rapidformer.log import log, setup_console_logging
 
     first, second = io.StringIO(), io.StringIO()
     monkeypatch.setattr(log, "handlers", [])  # set-up state restored afterwards

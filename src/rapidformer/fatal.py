@@ -11,8 +11,9 @@ The command reports what it catches (:func:`report`). A script has no such frame
 interactive interpreter or a notebook) that reports an error nobody caught the same way and
 exits with its code, where the error ended a rapidformer run (rapidformer raised it, or it
 came up through rapidformer's code from a hook); the script's own errors keep Python's
-traceback. Code that catches the exception sees it as always. The templates, the engine,
-``parse_args`` and the loading of a user script install it.
+traceback. Code that catches the exception sees it as always. A template (when it is built and
+when it fits), the engine and the loading of a user script install it; parsing flags does not,
+so a notebook or a tool that only parses keeps its own hook.
 """
 
 from __future__ import annotations

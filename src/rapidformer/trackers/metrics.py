@@ -1,68 +1,24 @@
-"""Rank-0 reporting: log lines every --log-interval, a progress bar, metrics.jsonl and
-TensorBoard event files under --save, and the trackers --report-to names
-(:mod:`rapidformer.trackers`). Other ranks report nothing."""
+"""Rank-0 reporting of a run's numbers: a log line every --log-interval, a progress bar, and
+the rows every tracker --report-to names receives (by default metrics.jsonl and TensorBoard
+event files under --save). Other ranks report nothing."""
 
 from __future__ import annotations
 
-import logging
-import resource
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch loads with the first logger, not with `log` (the CLI parses first)
-    import torch
+import torch
 
+from rapidformer.log import log, setup_console_logging
+from rapidformer.memory import peak_memory_bytes
+from rapidformer.trackers.setup import TrackerSetup, open_trackers
+from rapidformer.trackers.tracker import TrackedRun
+
+if TYPE_CHECKING:
     from rapidformer.flops import MfuMeter
-    from rapidformer.trackers import GuardedTrackers, TrackerSetup
-
-log = logging.getLogger("rapidformer")
-
-
-class _CurrentStderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the one at set-up:
-    notebooks and test runners replace it, and the old one may be closed by then. A stream
-    given later (``setStream``) is used as given."""
-
-    def __init__(self) -> None:
-        super().__init__()  # assigns sys.stderr through the setter below: forgotten next
-        self._chosen: Any = None
-
-    @property
-    def stream(self) -> Any:
-        return self._chosen if self._chosen is not None else sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        self._chosen = value
-
-
-def setup_console_logging() -> None:
-    """Send rapidformer's log records to stderr once (a library must not do this on import)."""
-    if not log.handlers:
-        handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("[rapidformer] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak accelerator memory allocated, or this process's peak resident set on the CPU."""
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated(device)
-    # The memory's high-water mark: ru_maxrss would keep, for a process started by fork and
-    # exec, the resident set its parent had when it forked.
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    from rapidformer.trackers.guard import GuardedTrackers
 
 
 class MetricsLogger:
@@ -98,9 +54,6 @@ class MetricsLogger:
         self._bar = None
         if enabled:
             setup_console_logging()
-            from rapidformer.trackers import TrackerSetup, open_trackers
-            from rapidformer.trackers.base import TrackedRun
-
             if trackers is None:
                 run = TrackedRun(save_dir=save_dir, name="rapidformer", project=None)
                 trackers = TrackerSetup(("tensorboard", "jsonl"), run)
@@ -184,8 +137,6 @@ class MetricsLogger:
     def _read(self, values: list[float | int | torch.Tensor]) -> list[float]:
         """Host copies of ``values`` in one device-to-host transfer (float64: token counts of
         a long window stay exact)."""
-        import torch
-
         on_device = [
             torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values
         ]
