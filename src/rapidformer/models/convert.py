@@ -289,22 +289,21 @@ def _ffn_or_default(size: int | None, hidden: int) -> int | None:
     return None if size is None or size == 4 * hidden else int(size)
 
 
+_SIZE = (
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 GPT2_NAMES = {
-    "vocab_size": "vocab_size",
-    "num_layers": "n_layer",
-    "hidden_size": "n_embd",
-    "num_attention_heads": "n_head",
-    "max_position_embeddings": "n_positions",
+    **dict(zip(_SIZE, ("vocab_size", "n_layer", "n_embd", "n_head", "n_positions"), strict=True)),
     "layernorm_epsilon": "layer_norm_epsilon",
     "tie_word_embeddings": "tie_word_embeddings",
 }
 """GPTConfig's fields -> GPT2Config's names for them (the FFN width and dropout aside)."""
 BERT_NAMES = {
-    "vocab_size": "vocab_size",
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "max_position_embeddings": "max_position_embeddings",
+    **dict(zip(_SIZE, (*_SIZE[:1], "num_hidden_layers", *_SIZE[2:]), strict=True)),
     "type_vocab_size": "type_vocab_size",
     "layernorm_epsilon": "layer_norm_eps",
 }

@@ -97,15 +97,21 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
         _refuse_remote_code(name_or_path, exc)
         if not local:
             raise _hub_error(name_or_path, "tokenizer", exc) from exc
-        raise ConfigError.single(
-            PRETRAINED_FLAG,
-            name_or_path,
-            f"holds no usable tokenizer ({str(exc).splitlines()[0]})",
-            "save the tokenizer next to the model with tokenizer.save_pretrained(dir)",
-        ) from exc
+        raise _holds_no(name_or_path, "usable tokenizer", exc, SAVE_TOKENIZER) from exc
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style tokenizers have no pad token
     return tokenizer
+
+
+SAVE_TOKENIZER = "save the tokenizer next to the model with tokenizer.save_pretrained(dir)"
+SAVE_MODEL = "pass a directory written by model.save_pretrained(dir)"
+
+
+def _holds_no(name_or_path: str, what: str, exc: Exception, fix: str) -> ConfigError:
+    """A local model directory that lacks ``what``, with the first line of the library's
+    reason."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConfigError.single(PRETRAINED_FLAG, name_or_path, f"holds no {what} ({reason})", fix)
 
 
 NEW_WEIGHTS = "rapidformer_new_weights"
@@ -141,12 +147,7 @@ def load_model_reporting(
     except OSError as exc:
         if not local:
             raise _hub_error(name_or_path, "model", exc) from exc
-        raise ConfigError.single(
-            PRETRAINED_FLAG,
-            name_or_path,
-            f"holds no loadable model weights ({str(exc).splitlines()[0]})",
-            "pass a directory written by model.save_pretrained(dir)",
-        ) from exc
+        raise _holds_no(name_or_path, "loadable model weights", exc, SAVE_MODEL) from exc
     except ValueError as exc:  # e.g. the architecture has no head for this task
         _refuse_remote_code(name_or_path, exc)
         raise ConfigError.single(
