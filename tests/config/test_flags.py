@@ -12,7 +12,7 @@ from rapidformer import RapidformerConfig, parse_args
 from rapidformer.config.aliases import ALIASES
 from rapidformer.config.docs import render_parameters
 from rapidformer.config.fields import FieldSpec, all_fields
-from rapidformer.config.loading import TRUST_FLAGS
+from rapidformer.config.loading import CODE_FLAGS
 from rapidformer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,8 +125,8 @@ def test_flag_parses_from_the_command_line(spec: FieldSpec) -> None:
 
 
 def test_every_flag_at_once_from_yaml_and_json_round_trips(tmp_path: Path) -> None:
-    """Every flag but the two consents to run code, which a file may not give (below)."""
-    files = [spec for spec in all_fields() if spec.name not in TRUST_FLAGS]
+    """Every flag but the consents to run code, which a file may not give (below)."""
+    files = [spec for spec in all_fields() if spec.name not in CODE_FLAGS]
     flat = {spec.flag.lstrip("-"): _value_for(spec) for spec in files}
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(yaml.safe_dump(flat))
@@ -140,7 +140,7 @@ def test_every_flag_at_once_from_yaml_and_json_round_trips(tmp_path: Path) -> No
     assert parse_args(["--config", str(json_file)]) == from_yaml
 
 
-@pytest.mark.parametrize("name", TRUST_FLAGS)
+@pytest.mark.parametrize("name", ["trust_checkpoint", "trust_remote_code"])
 def test_a_config_file_cannot_consent_to_running_code(tmp_path: Path, name: str) -> None:
     """Config files are shared: trust comes from the command line or the Python call only."""
     path = tmp_path / "shared.yaml"
@@ -159,6 +159,35 @@ def test_a_config_file_cannot_consent_to_running_code(tmp_path: Path, name: str)
     path.write_bytes(b"\xff\xfe binary")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "trust_checkpoint: false\ntrust-checkpoint: true\n",
+        "checkpoint: {trust_checkpoint: false}\n--trust-checkpoint: true\n",
+        "model: {trust_remote_code: false}\ntrust-remote-code: yes\n",
+        "training: {user_script: my_trainer.py}\n",
+        "user-script: my_trainer.py\nuser_script: null\n",
+    ],
+)
+def test_no_spelling_or_nesting_lets_a_file_run_code(tmp_path: Path, text: str) -> None:
+    """Any truthy occurrence of a consent to run code is refused, and a key given twice with
+    different values is refused whichever spelling comes first."""
+    path = tmp_path / "shared.yaml"
+    path.write_text(text + "train_iters: 3\n")
+    with pytest.raises(ConfigError, match=r"cannot come from|given twice") as refused:
+        parse_args(["--config", str(path)])
+    assert "--trust" in str(refused.value) or "--user-script" in str(refused.value)
+
+
+def test_a_key_given_twice_with_different_values_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("micro_batch_size: 2\ndata: {micro-batch-size: 4}\n")
+    with pytest.raises(ConfigError, match=r"--micro-batch-size=4: is given twice"):
+        parse_args(["--config", str(path)])
+    path.write_text("micro_batch_size: 4\ndata: {micro-batch-size: 4}\n")  # the same: fine
+    assert parse_args(["--config", str(path)]).data.micro_batch_size == 4
 
 
 def test_command_line_overrides_the_file(tmp_path: Path) -> None:

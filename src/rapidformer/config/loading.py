@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-TRUST_FLAGS = ("trust_checkpoint", "trust_remote_code")
-"""Consent to running code from what a run loads: only the command line or a Python call
-may give it, never a config file."""
+CODE_FLAGS = ("trust_checkpoint", "trust_remote_code", "user_script")
+"""Consent to running code (from what a run loads, or a script to run): only the command line
+or a Python call may give it, never a config file, under any spelling or nesting."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RapidformerConfig:
@@ -135,31 +135,30 @@ def parse_args_with_extras(
     config_file = namespace.pop("config", None)
     # Aliases resolve per source, so that a flag on the command line overrides the file
     # whichever spelling each used.
-    from_file, violations = resolve(flatten(read_config_file(config_file) if config_file else {}))
+    flat, violations = flatten(read_config_file(config_file) if config_file else {})
     violations += [
         Violation(
             f"--{name.replace('_', '-')}",
-            True,
+            flat[name] if name == "user_script" else True,
             f"cannot come from --config {config_file}: config files are shared and copied, "
-            "and this flag lets the run execute code from what it loads",
+            "and this flag lets the run execute code",
             "drop it from the file and pass it on the command line (or in the Python call)",
         )
-        for name in TRUST_FLAGS
-        if _given(from_file, name)
+        for name in CODE_FLAGS
+        if _set(flat.get(name))
     ]
+    from_file, alias_violations = resolve(flat)
+    violations += alias_violations
     typed, typed_violations = resolve(namespace)
     if violations or typed_violations:
         raise ConfigError(violations + typed_violations)
     return config_from_dict({**from_file, **typed}), extras
 
 
-def _given(values: dict[str, object], name: str) -> bool:
-    """Whether ``values`` (a file's flat keys, spelled either way) set the switch ``name``:
-    any spelling, any value but an explicit false (a file may say ``false`` harmlessly)."""
-    for key, value in values.items():
-        if key.lstrip("-").replace("-", "_") == name:
-            return str(value).strip().lower() not in ("false", "0", "no", "off", "none", "")
-    return False
+def _set(value: object) -> bool:
+    """Whether a file's ``value`` asks for anything: every value but an explicit false or
+    nothing (a file may say ``false`` harmlessly)."""
+    return str(value).strip().lower() not in ("false", "0", "no", "off", "none", "null", "")
 
 
 def read_config_file(path: str | Path) -> dict[str, object]:

@@ -75,7 +75,9 @@ def config_from_dict(values: dict[str, object]) -> RapidformerConfig:
     """Build a config from a nested or flat dict, checking names and types; reports every
     unknown key and badly typed value at once. Aliases (:mod:`rapidformer.config.aliases`)
     set the field they stand for."""
-    flat, violations = aliases.resolve(flatten(values))
+    flat, twice = flatten(values)
+    flat, violations = aliases.resolve(flat)
+    violations = twice + violations
     per_section: dict[str, dict[str, object]] = {section: {} for section in SECTIONS}
     table = fields_by_name()
     for key, raw in flat.items():
@@ -94,16 +96,32 @@ def config_from_dict(values: dict[str, object]) -> RapidformerConfig:
     )
 
 
-def flatten(values: dict[str, object]) -> dict[str, object]:
-    """Accept both ``{data: {micro_batch_size: 2}}`` and ``{micro-batch-size: 2}``."""
+def flatten(values: dict[str, object]) -> tuple[dict[str, object], list[Violation]]:
+    """``{data: {micro_batch_size: 2}}``, ``{micro-batch-size: 2}`` and ``{--micro_batch_size:
+    2}`` alike as ``{micro_batch_size: 2}``: one key per name, however it was spelled or
+    nested. A name given twice with different values is refused (whichever spelling came first
+    would otherwise win unseen)."""
     flat: dict[str, object] = {}
-    for key, value in values.items():
-        key = str(key).lstrip("-")
-        if key in SECTIONS and isinstance(value, dict):
-            flat.update({str(k).lstrip("-"): v for k, v in value.items()})
-        else:
-            flat[key] = value
-    return flat
+    spelled: dict[str, str] = {}
+    violations: list[Violation] = []
+    for outer, value in values.items():
+        section = str(outer).lstrip("-")
+        nested = section in SECTIONS and isinstance(value, dict)
+        pairs = [(f"{section}.{k}", k, v) for k, v in value.items()] if nested else [
+            (str(outer), outer, value)
+        ]  # fmt: skip
+        for where, key, raw in pairs:
+            name = str(key).lstrip("-").replace("-", "_")
+            if name in flat and flat[name] != raw:
+                violations.append(Violation(
+                    "--" + name.replace("_", "-"), raw,
+                    f"is given twice with different values ({spelled[name]}: {flat[name]!r}, "
+                    f"{where}: {raw!r})",
+                    "keep one of them",
+                ))  # fmt: skip
+                continue
+            flat[name], spelled[name] = raw, where
+    return flat, violations
 
 
 def _coerce(spec: FieldSpec, raw: object) -> object:
