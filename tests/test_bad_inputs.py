@@ -26,6 +26,7 @@ from tests.helpers.bad_inputs import (
     CASES,
     GOOD_ROWS,
     HEADER,
+    VICTIM_TEXT,
     WHITE_BOX,
     Case,
     Inputs,
@@ -58,6 +59,7 @@ def test_bad_input_fails_with_a_message_naming_it(
         assert part in error, f"{part!r} not in:\n{error[-2000:]}"
     assert "Traceback" not in error
     assert not save.exists() or find_checkpoint(save) is None
+    assert inputs.victim.read_text() == VICTIM_TEXT  # nothing outside --save was written
 
 
 def test_catalogue_size() -> None:

@@ -42,7 +42,7 @@ def _files(folder: str) -> list[Path]:
 
 TIERS: tuple[tuple[str, ...], ...] = (
     ("errors", "quiet", "seeding", "hardware", "log", "labels", "hub"),
-    ("config",),
+    ("config", "own_files"),
     ("distributed",),
     ("threads", "schedules", "memory", "launcher", "fatal", "safe_load", "reliability"),
     ("workers", "models", "data"),

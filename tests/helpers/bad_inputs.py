@@ -30,6 +30,7 @@ class Inputs:
     finetune: Path  # a good sequence_classification data dir
     checkpoint: Path  # a save dir of the deterministic trainer (2 steps)
     llama: Path  # a tiny causal LM (its tokenizer has no chat template)
+    victim: Path  # a file of the user's outside every --save: no case may change it
 
     def copy_of_corpus(self, name: str) -> Path:
         """A copy of the corpus files under a new prefix (to damage)."""
@@ -67,7 +68,13 @@ def build_inputs(root: Path) -> Inputs:
     assert main([*run, "--micro-batch-size", "4", "--save", str(checkpoint)]) == 0
     llama = tiny_model("llama", root / "llama")
     (root / "chatml.jinja").write_text(CHATML)
-    return Inputs(root, data.flags(), Path(data.prefix), bert, finetune, checkpoint, llama)
+    victim = root / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text(VICTIM_TEXT)
+    return Inputs(root, data.flags(), Path(data.prefix), bert, finetune, checkpoint, llama, victim)
+
+
+VICTIM_TEXT = "the user's own notes"
 
 
 CHATML = (
@@ -308,6 +315,28 @@ def _damaged_progress(name: str, text: bytes) -> Callable[[Inputs], list[str]]:
     return argv
 
 
+def _pointer_only(name: str, text: Callable[[Inputs], bytes]) -> Callable[[Inputs], list[str]]:
+    """A save directory holding nothing but a ``latest`` file of ``text``, resumed from."""
+
+    def argv(inputs: Inputs) -> list[str]:
+        directory = inputs.root / f"pointer_{name}"
+        directory.mkdir(exist_ok=True)
+        (directory / "latest").write_bytes(text(inputs))
+        return [*WHITE_BOX, "--load", str(directory)]
+
+    return argv
+
+
+def _linked_lock(inputs: Inputs) -> list[str]:
+    """A save directory whose .lock is a link to a file of the user's (the victim)."""
+    save = inputs.root / "linked_lock"
+    save.mkdir(exist_ok=True)
+    lock = save / ".lock"
+    if not lock.is_symlink():
+        lock.symlink_to(inputs.victim)
+    return [*WHITE_BOX, "--save", str(save)]
+
+
 def argv_of(case: Case, inputs: Inputs, save: Path) -> list[str]:
     """The case's command line with ``--save save``, unless the case names its own."""
     argv = case.argv(inputs)
@@ -406,7 +435,18 @@ CASES = [
         _config_file("shared.yaml", "trust_checkpoint: true\n"),
         ("--trust-checkpoint", "config files are shared", "on the command line"),
     ),
+    Case(
+        "config-file-trusts-twice",
+        _config_file("twice.yaml", "trust_checkpoint: false\ntrust-checkpoint: true\n"),
+        ("--trust-checkpoint", "given twice with different values", "cannot come from"),
+    ),
+    Case(
+        "config-file-runs-a-script",
+        _config_file("script.yaml", "training:\n  user_script: evil.py\n"),
+        ("--user-script", "config files are shared", "on the command line"),
+    ),
     Case("config-file-binary", _binary_config, ("binary.yaml", "not UTF-8", "YAML or JSON")),
+    Case("save-lock-is-a-link", _linked_lock, (".lock is a symbolic link", "remove the link")),
     Case("save-is-a-file", _save_is_a_file, ("notes.txt", "is a file", "its own --save")),
     _flags(
         "heads-do-not-divide",
@@ -760,8 +800,13 @@ CASES = [
     ),
     Case(
         "checkpoint-latest-not-text",
-        _damaged_progress("latest", b"\xff\xfe\x00iter"),
-        ("latest is not text", "iter_NNNNNNN", "Fix:"),
+        _pointer_only("garbage", lambda i: b"\xff\xfe\x00iter"),
+        ("latest names no iter_* checkpoint", "no complete checkpoint", "Fix: delete it"),
+    ),
+    Case(
+        "checkpoint-latest-foreign",  # another run's checkpoint, by its absolute path
+        _pointer_only("foreign", lambda i: str(i.checkpoint / "iter_0000002").encode()),
+        ("latest names no iter_* checkpoint", "no complete checkpoint", "Fix: delete it"),
     ),
     Case(
         "checkpoint-other-heads",  # the same shapes: it would load, and be read wrongly

@@ -5,6 +5,11 @@ complete one. A checkpoint is staged in ``.tmp-iter_NNNNNNN`` and renamed into p
 ``latest`` moves, so a crash at any moment leaves ``latest`` naming a whole checkpoint; the
 debris a crash leaves (staging directories, a half-written pointer, a checkpoint set aside
 while it was being replaced) is removed before the next save.
+
+Nothing outside the save directory is written or followed: the files a run writes there are
+opened without following a symbolic link (:func:`open_own`), a link in their place is refused,
+``latest`` counts only when it names an ``iter_*`` directory of the save directory itself, and
+pruning removes a linked ``iter_*`` as a link.
 """
 
 from __future__ import annotations
@@ -52,32 +57,44 @@ def read_progress(directory: Path) -> dict[str, Any]:
     return record
 
 
-def read_pointer(pointer: Path) -> str:
-    """The checkpoint name a ``latest`` file holds, or CheckpointError naming it."""
+def read_pointer(pointer: Path) -> str | None:
+    """The checkpoint a ``latest`` file names, or None where it names none of its directory's
+    own: not text, not ``iter_NNNNNNN``, a path elsewhere, or a link (the caller falls back to
+    the newest complete checkpoint, saying why)."""
+    if pointer.is_symlink():
+        return None
     try:
-        return pointer.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise CheckpointError(
-            f"{pointer} is not text: it should hold the name of a checkpoint (iter_NNNNNNN). "
-            f"Fix: write the newest complete checkpoint's name into it, or delete it to resume "
-            "from the newest complete checkpoint"
-        ) from None
+        name = pointer.read_bytes()[:256].decode("utf-8").strip()
+    except (UnicodeDecodeError, OSError):
+        return None
+    candidate = pointer.parent / name
+    if not _ITERATION.fullmatch(name) or candidate.is_symlink():
+        return None
+    return name
 
 
 def iteration_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def iterations(root: Path) -> list[Path]:
-    """The ``iter_*`` directories under ``root``, newest (highest step) first."""
-    found = [p for p in root.iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name)]
+def iterations(root: Path, links: bool = False) -> list[Path]:
+    """The ``iter_*`` directories under ``root``, newest (highest step) first; a link is none
+    (resuming never follows one), unless ``links`` asks for the links named so too."""
+    found = [
+        p for p in root.iterdir()
+        if _ITERATION.fullmatch(p.name)
+        and ((links and p.is_symlink()) or (p.is_dir() and not p.is_symlink()))
+    ]  # fmt: skip
     return sorted(found, key=lambda p: int(p.name[len("iter_") :]), reverse=True)
 
 
 def remove_debris(root: Path) -> None:
     """Delete what an interrupted save left behind (rank 0, before saving)."""
     for path in root.iterdir():
-        if path.name.startswith((STAGING_PREFIX, ASIDE_PREFIX)) and path.is_dir():
+        debris = path.name.startswith((STAGING_PREFIX, ASIDE_PREFIX))
+        if (debris or path.name == f".{LATEST}.tmp") and path.is_symlink():
+            path.unlink()  # the link, never what it points to
+        elif debris and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.name == f".{LATEST}.tmp":
             path.unlink(missing_ok=True)
@@ -86,9 +103,13 @@ def remove_debris(root: Path) -> None:
 def prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` whole checkpoints, always the one ``latest`` names, and any
     newer than those (a damaged one left by an earlier run: kept for whoever looks into it,
-    never counted, so it cannot push a whole one out)."""
+    never counted, so it cannot push a whole one out). An ``iter_*`` that is a link is no
+    checkpoint of this directory (it is never resumed): it is removed, as a link."""
     pointer = root / LATEST
     current = read_pointer(pointer) if pointer.is_file() else None
+    for link in iterations(root, links=True):
+        if link.is_symlink():
+            link.unlink()
     whole = 0
     for checkpoint in iterations(root):
         if whole >= keep and checkpoint.name != current:
@@ -123,12 +144,17 @@ def find_checkpoint(path: str | Path) -> Path | None:
             )
         return path
     pointer = path / LATEST
-    if not pointer.is_file():
+    if not pointer.is_file() and not pointer.is_symlink():
         return None
-    target = path / read_pointer(pointer)
-    problem = _problem(target)
-    if problem is None:
-        return target
+    name = read_pointer(pointer)
+    if name is None:
+        problem = "it names no iter_* checkpoint of this directory"
+        target = pointer
+    else:
+        target = path / name
+        problem = _problem(target)
+        if problem is None:
+            return target
     for older in iterations(path):
         if older != target and _problem(older) is None:
             log.warning(
@@ -139,6 +165,12 @@ def find_checkpoint(path: str | Path) -> Path | None:
                 older,
             )
             return older
+    if name is None:
+        raise CheckpointError(
+            f"{pointer} names no iter_* checkpoint of {path}, and {path} holds no complete "
+            "checkpoint. Fix: delete it (or write the checkpoint's name into it), or start "
+            "afresh with another --save"
+        )
     raise CheckpointError(
         f"{pointer} names {target}, which is damaged ({problem}), and {path} holds no "
         "older complete checkpoint. Fix: restore the file, or start afresh with another --save"

@@ -23,6 +23,15 @@ def _digest(file: Path) -> str:
     return digest.hexdigest()
 
 
+def _outside(directory: Path, name: str) -> bool:
+    """Whether a manifest's entry names something but a file inside its checkpoint (a path
+    from the root, one that climbs out, or a link to elsewhere): such an entry is never read."""
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        return True
+    return not (directory / path).resolve().is_relative_to(directory.resolve())
+
+
 def write_manifest(directory: Path, required: list[str] | None = None) -> None:
     """Record every file under ``directory`` (but the manifest itself), and the files the
     checkpoint's format requires (``required``), so that a checkpoint missing one of them
@@ -49,7 +58,9 @@ def looks_whole(directory: Path) -> bool:
         required = [str(name) for name in record.get("required", [])]
     except (ValueError, KeyError, TypeError, AttributeError):
         return False
-    if any(name not in sizes for name in required):
+    if any(name not in sizes for name in required) or any(
+        _outside(directory, name) for name in sizes
+    ):
         return False
     return all(
         (directory / name).is_file() and (directory / name).stat().st_size == size
@@ -72,6 +83,9 @@ def damage(directory: Path) -> str | None:
         required = [str(name) for name in record.get("required", [])]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"its manifest {manifest} is unreadable ({type(exc).__name__}: {exc})"
+    strays = [name for name in entries if _outside(directory, name)]
+    if strays:
+        return f"its manifest {manifest} lists {strays[0]}, which is no file of the checkpoint"
     for name in required:
         if name not in entries:
             return (

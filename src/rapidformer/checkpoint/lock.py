@@ -32,6 +32,7 @@ import torch
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
 from rapidformer.log import log
+from rapidformer.own_files import open_own
 
 LOCK_FILE = ".lock"
 FULL_BELOW = 1 << 20
@@ -80,7 +81,7 @@ def _take(root: Path) -> SaveDirectoryLock:
         raise CheckpointError(f"--save {root} is a file, not a directory. Fix: {fix}")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        handle = open(root / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 (held for the run)
+        handle = open_own(root / LOCK_FILE, "a+")  # held for the run; never through a link
     except OSError as error:
         raise CheckpointError(
             f"--save {root} cannot be written ({error.strerror or error}). Fix: {fix}, on a "

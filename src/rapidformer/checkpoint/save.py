@@ -21,6 +21,7 @@ from rapidformer.checkpoint.directory import (
     STAGING_PREFIX,
     iteration_dir,
     prune,
+    read_pointer,
     remove_debris,
     sync_directory,
     sync_files,
@@ -31,6 +32,7 @@ from rapidformer.checkpoint.integrity import write_manifest
 from rapidformer.distributed import process_group
 from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
+from rapidformer.own_files import open_own
 from rapidformer.seeding import rng_state
 from rapidformer.state import TrainState
 
@@ -84,8 +86,8 @@ def refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
 
 def non_finite_error(root: Path, step: int) -> CheckpointError:
     """The error of a save refused for non-finite parameters, naming the last good one."""
-    pointer = root / LATEST
-    last = root / pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+    name = read_pointer(root / LATEST) if (root / LATEST).is_file() else None
+    last = root / name if name is not None else None
     kept = f"{last} stays the last good one" if last else "there is no earlier checkpoint"
     return CheckpointError(
         f"the parameters at step {step} are not finite (NaN or infinity), so no checkpoint "
@@ -170,7 +172,7 @@ def publish_staged(
         raise
     sync_directory(root)  # the rename on disk before the pointer names it
     pointer = root / f".{LATEST}.tmp"
-    with open(pointer, "w", encoding="utf-8") as stream:
+    with open_own(pointer) as stream:
         stream.write(final.name + "\n")
         stream.flush()
         os.fsync(stream.fileno())

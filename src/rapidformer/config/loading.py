@@ -135,24 +135,42 @@ def parse_args_with_extras(
     config_file = namespace.pop("config", None)
     # Aliases resolve per source, so that a flag on the command line overrides the file
     # whichever spelling each used.
-    flat, violations = flatten(read_config_file(config_file) if config_file else {})
+    from_file = read_config_file(config_file) if config_file else {}
+    flat, violations = flatten(from_file)
     violations += [
         Violation(
             f"--{name.replace('_', '-')}",
-            flat[name] if name == "user_script" else True,
+            value if name == "user_script" else True,
             f"cannot come from --config {config_file}: config files are shared and copied, "
             "and this flag lets the run execute code",
             "drop it from the file and pass it on the command line (or in the Python call)",
         )
         for name in CODE_FLAGS
-        if _set(flat.get(name))
+        for value in [next((v for v in _every_value(from_file, name) if _set(v)), None)]
+        if value is not None
     ]
-    from_file, alias_violations = resolve(flat)
+    resolved, alias_violations = resolve(flat)
     violations += alias_violations
     typed, typed_violations = resolve(namespace)
     if violations or typed_violations:
         raise ConfigError(violations + typed_violations)
-    return config_from_dict({**from_file, **typed}), extras
+    return config_from_dict({**resolved, **typed}), extras
+
+
+def _every_value(values: dict[str, object], name: str) -> list[object]:
+    """Every value a file gives ``name``, at its top level or in a section, in any
+    spelling."""
+    found = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            found += [v for k, v in value.items() if _spelled(k) == name]
+        elif _spelled(key) == name:
+            found.append(value)
+    return found
+
+
+def _spelled(key: object) -> str:
+    return str(key).lstrip("-").replace("-", "_")
 
 
 def _set(value: object) -> bool:

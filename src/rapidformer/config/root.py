@@ -106,10 +106,9 @@ def flatten(values: dict[str, object]) -> tuple[dict[str, object], list[Violatio
     violations: list[Violation] = []
     for outer, value in values.items():
         section = str(outer).lstrip("-")
-        nested = section in SECTIONS and isinstance(value, dict)
-        pairs = [(f"{section}.{k}", k, v) for k, v in value.items()] if nested else [
-            (str(outer), outer, value)
-        ]  # fmt: skip
+        pairs: list[tuple[str, object, object]] = [(str(outer), outer, value)]
+        if section in SECTIONS and isinstance(value, dict):
+            pairs = [(f"{section}.{k}", k, v) for k, v in value.items()]
         for where, key, raw in pairs:
             name = str(key).lstrip("-").replace("-", "_")
             if name in flat and flat[name] != raw:

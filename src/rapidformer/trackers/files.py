@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from rapidformer.own_files import open_own
 from rapidformer.trackers.tracker import TrackedRun, scalars
 
 
@@ -27,7 +28,7 @@ class JsonlTracker:
         assert run.save_dir is not None
         path = Path(run.save_dir) / "metrics.jsonl"
         self.where = str(path)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
+        self._file = open_own(path, "a")  # open for the run; never through a link
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({"kind": kind, **record}) + "\n")
