@@ -22,6 +22,7 @@ import torch
 
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
+from rapidformer.export import main as export_main
 from tests.helpers.bad_inputs import (
     CASES,
     GOOD_ROWS,
@@ -48,9 +49,10 @@ def test_bad_input_fails_with_a_message_naming_it(
 ) -> None:
     save = tmp_path / "save"
     argv = argv_of(case, inputs, save)
+    before = _users_files(inputs)
     capsys.readouterr()
     try:
-        code = main(argv)
+        code = (export_main if case.entry == "export" else main)(argv)
     except SystemExit as exc:  # argparse's own errors
         code = exc.code
     error = capsys.readouterr().err
@@ -60,6 +62,14 @@ def test_bad_input_fails_with_a_message_naming_it(
     assert "Traceback" not in error
     assert not save.exists() or find_checkpoint(save) is None
     assert inputs.victim.read_text() == VICTIM_TEXT  # nothing outside --save was written
+    assert _users_files(inputs) == before  # nor the models a run reads
+
+
+def _users_files(inputs: Inputs) -> dict[Path, bytes]:
+    """The files of the user's that a case must leave as they were: the victim and the
+    models runs read from."""
+    files = [inputs.victim, *inputs.bert.rglob("*"), *inputs.llama.rglob("*")]
+    return {f: f.read_bytes() for f in files if f.is_file()}
 
 
 def test_catalogue_size() -> None:

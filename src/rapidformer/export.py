@@ -19,6 +19,7 @@ left as it is (editing its ``progress.json`` would break its manifest).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,15 +47,28 @@ def export_checkpoint(
     merge_adapters: bool = False,
     vocab_file: str | None = None,
     merge_file: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model (and tokenizer) of a pretraining checkpoint with ``save_pretrained``
     (safetensors), or a checkpoint's adapters (see the module docstring). Its files are scanned
     before they are unpickled unless ``trust_checkpoint`` (see :mod:`rapidformer.safe_load`).
-    ``merge_adapters``: a checkpoint of adapters merged into its base.
+    ``merge_adapters``: a checkpoint of adapters merged into its base. ``out_dir`` must be new
+    or empty (``overwrite``: or an existing directory that is neither the run's nor the
+    base's); an OS error writing it is one CheckpointError naming it.
     ``vocab_file`` and ``merge_file``: the tokenizer's files where they are now, in place of
     those the run named."""
     with safe_load.trusting(trust_checkpoint):
-        return _export(checkpoint, out_dir, merge_adapters, TokenizerFiles(vocab_file, merge_file))
+        try:
+            return _export(
+                checkpoint, out_dir, merge_adapters, TokenizerFiles(vocab_file, merge_file),
+                overwrite,
+            )  # fmt: skip
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot write the export to {out_dir} ({error.strerror or error}"
+                f"{f': {error.filename}' if error.filename else ''}). Fix: name a directory "
+                "where this user may write, on a disk with room"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -83,14 +97,44 @@ class TokenizerFiles:
         return vocab, merges
 
 
-def _export(
-    checkpoint: str | Path, out_dir: str | Path, merge: bool, files: TokenizerFiles
-) -> Path:
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+MODEL_FILES = ("config.json", "adapter_config.json", "*.safetensors", "*.bin", "*.pt")
+"""What makes a directory hold a model (or an adapter): an export never writes over one."""
+
+
+def _refuse_destination(out: Path, run: Path, bases: list[str], overwrite: bool) -> None:
+    """The export writes only into a new or empty directory (``overwrite``: or another
+    existing one), never into the run's own directory or the base the run read."""
+    fix = "name a new or empty directory"
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file: the export writes a directory there. Fix: {fix}")
+    where = out.resolve()
+    if where == run.resolve() or run.resolve() in where.parents:
+        raise CheckpointError(f"{out} is inside the run's own directory {run}. Fix: {fix}")
+    for base in bases:
+        if Path(base).exists() and where == Path(base).resolve():
+            raise CheckpointError(
+                f"{out} is the base model's directory, which the run's adapters (and any resume "
+                f"of it) are checked against: writing there would lose it. Fix: {fix}"
+            )
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if existing != out and (not existing.is_dir() or not os.access(existing, os.W_OK)):
+        reason = "a file" if not existing.is_dir() else "a directory this user may not write"
         raise CheckpointError(
-            f"{out_dir} is a file: the export writes a Hugging Face directory there (and "
-            "would have written nothing). Fix: name a new or existing directory"
+            f"cannot write the export to {out}: {existing} is {reason}. Fix: name a directory "
+            "where this user may write"
         )
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        held = sorted({p.name for pattern in MODEL_FILES for p in out.glob(pattern)})
+        what = f"holds a model ({', '.join(held[:3])})" if held else "is not empty"
+        raise CheckpointError(
+            f"{out} {what}: the export would write over it. Fix: {fix}, or pass --overwrite"
+        )
+
+
+def _export(
+    checkpoint: str | Path, out_dir: str | Path, merge: bool, files: TokenizerFiles,
+    overwrite: bool = False,
+) -> Path:  # fmt: skip
     path = find_checkpoint(checkpoint)
     if path is None:
         raise CheckpointError(
@@ -103,6 +147,10 @@ def _export(
         )
     adapters = record.get("frozen_base")
     config = RapidformerConfig.from_dict(record["config"])
+    run = path.parent if (path.parent / "latest").exists() else path
+    bases = [str(adapters["source"])] if isinstance(adapters, dict) else []
+    bases += [config.model.pretrained_model_name_or_path or ""]
+    _refuse_destination(Path(out_dir), run, [b for b in bases if b], overwrite)
     built_in = config.data.tokenizer_type is not None  # the Pretrainer's GPT or BERT
     if adapters is not None and not (merge and built_in):
         return ADDITIONS.write(adapters, consolidated_model_state(path), Path(out_dir), merge)
@@ -160,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         ADDITIONS.merge_flag, dest="merge_adapters", action="store_true", help=ADDITIONS.merge_help
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an existing directory that is not empty (never the run's own, nor the "
+        "base model's)",
+    )
     for flag, what in (("--vocab-file", "vocabulary"), ("--merge-file", "BPE merges")):
         parser.add_argument(
             flag,
@@ -175,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             merge_adapters=args.merge_adapters,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            overwrite=args.overwrite,
         )
     except (CheckpointError, ConfigError) as exc:
         print(f"rapidformer.export: error: {exc}", file=sys.stderr)

@@ -145,6 +145,8 @@ class Case:
     message: tuple[str, ...]
     """Substrings the error must contain: the input it names and the fix it offers."""
     code: int = 2
+    entry: str = "rapidformer"
+    """The command the case runs: ``rapidformer``, or ``export`` (python -m rapidformer.export)."""
 
 
 def _bin_truncated(inputs: Inputs) -> list[str]:
@@ -338,9 +340,38 @@ def _linked_lock(inputs: Inputs) -> list[str]:
 
 
 def argv_of(case: Case, inputs: Inputs, save: Path) -> list[str]:
-    """The case's command line with ``--save save``, unless the case names its own."""
+    """The case's command line with ``--save save``, unless the case names its own (or is
+    not a run)."""
     argv = case.argv(inputs)
-    return argv if "--save" in argv else [*argv, "--save", str(save)]
+    return argv if "--save" in argv or case.entry != "rapidformer" else [*argv, "--save", str(save)]
+
+
+def _fine_tuned_checkpoint(inputs: Inputs) -> Path:
+    """A copy of the checkpoint recorded as a fine-tuning of ``inputs.bert`` (its manifest
+    written again: the checkpoint is whole)."""
+    from rapidformer.checkpoint.integrity import write_manifest
+
+    copy = inputs.root / "ckpt_finetuned"
+    if not copy.exists():
+        shutil.copytree(inputs.checkpoint, copy)
+        progress = copy / "iter_0000002" / "progress.json"
+        record = json.loads(progress.read_text())
+        record["config"]["model"]["pretrained_model_name_or_path"] = str(inputs.bert)
+        progress.write_text(json.dumps(record))
+        manifest = json.loads((copy / "iter_0000002" / "manifest.json").read_text())
+        write_manifest(copy / "iter_0000002", manifest.get("required"))
+    return copy
+
+
+def _export_into(where: Callable[[Inputs], Path], *flags: str) -> Callable[[Inputs], list[str]]:
+    return lambda inputs: [str(_fine_tuned_checkpoint(inputs)), str(where(inputs)), *flags]
+
+
+def _model_copy(inputs: Inputs) -> Path:
+    copy = inputs.root / "someone_elses_model"
+    if not copy.exists():
+        shutil.copytree(inputs.llama, copy)
+    return copy
 
 
 def _binary_config(inputs: Inputs) -> list[str]:
@@ -771,6 +802,31 @@ CASES = [
         "fp8-without-a-float8-gpu",
         lambda i: [*WHITE_BOX, "--precision", "fp8"],
         ("--precision", "fp8", "compute capability 8.9", "--precision bf16"),
+    ),
+    # ---- export ---------------------------------------------------------------------------
+    Case(
+        "export-onto-the-base",
+        _export_into(lambda i: i.bert, "--overwrite"),
+        ("is the base model's directory", "new or empty directory"),
+        entry="export",
+    ),
+    Case(
+        "export-onto-a-model",
+        _export_into(_model_copy),
+        ("someone_elses_model holds a model", "config.json", "--overwrite"),
+        entry="export",
+    ),
+    Case(
+        "export-into-its-run",
+        _export_into(lambda i: _fine_tuned_checkpoint(i) / "hf"),
+        ("inside the run's own directory", "new or empty directory"),
+        entry="export",
+    ),
+    Case(
+        "export-unwritable-parent",
+        _export_into(lambda i: i.victim / "hf"),
+        ("cannot write the export", "precious.txt", "where this user may write"),
+        entry="export",
     ),
     # ---- checkpoints --------------------------------------------------------------------
     Case(
