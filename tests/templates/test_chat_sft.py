@@ -233,6 +233,59 @@ def test_rendered_samples_are_cached_beside_the_dataset(
     assert shorter.rows != first.rows
 
 
+def _tamper(name: str, record: dict[str, Any], vocab: int) -> None:
+    """Edit a cached rendering the way a hostile or careless hand would."""
+    row = record["rows"][0]
+    if name == "poisoned-labels":
+        row["labels"] = [7 if label != -100 else label for label in row["labels"]]
+    elif name == "short-labels":
+        row["labels"] = row["labels"][:-3]
+    elif name == "id-beyond-vocabulary":
+        row["input_ids"][1] = vocab + 5
+    elif name == "longer-than-seq-length":
+        record["rows"][0] = {k: v * 40 for k, v in row.items()}
+
+
+@pytest.mark.parametrize(
+    "damage", ["poisoned-labels", "short-labels", "id-beyond-vocabulary", "longer-than-seq-length"]
+)
+@pytest.mark.parametrize("checksum", ["stale", "recomputed"])
+def test_an_edited_cache_is_never_trained_on(
+    chat: tuple[Path, Path, Path],
+    tmp_path: Path,
+    damage: str,
+    checksum: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cached rendering is checked as strictly as a rendering: an edit caught by its checksum
+    or (where the checksum was made again) by what the rows hold is rendered again, with a
+    warning, and the rows are the true ones."""
+    import hashlib
+
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    model_dir, _, data = chat
+    copy = tmp_path / "train.jsonl"
+    copy.write_text((data / "train.jsonl").read_text())
+    rows = load_dataset("json", data_files={"train": str(copy)})["train"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = CausalLM(tokenizer, SEQ, chat=ChatOptions())
+    truth = task.prepare(rows, "train").rows
+    (cache,) = Path(rows.cache_files[0]["filename"]).parent.glob("rapidformer-chat-*.json")
+    record = json.loads(cache.read_text())
+    _tamper(damage, record, len(tokenizer))
+    if checksum == "recomputed":
+        record["checksum"] = hashlib.sha256(
+            json.dumps(record["rows"], sort_keys=True).encode()
+        ).hexdigest()
+    cache.write_text(json.dumps(record))
+    again = task.prepare(rows, "train")
+    assert again.rows == truth
+    assert not any("read from the cache" in note for note in again.extra["notes"])
+    assert f"the cache {cache}" in caplog.text and "rendered again" in caplog.text
+
+
 def test_packing_composes_with_the_fused_loss_and_recompute(
     chat: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from rapidformer.data.chat_masks import ChatRenderer
 from rapidformer.data.packing import pack_rows, packing_note
 from rapidformer.errors import DataError, Violation
 from rapidformer.labels import IGNORE_INDEX
+from rapidformer.log import log
 from rapidformer.templates.tasks.base import Features
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def refuse_chat_flags_on_text(rows: HFDataset, split: str, options: ChatOptions)
         )
 
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped when what a cached file holds changes."""
 
 
@@ -133,30 +134,67 @@ def supervised_features(
 ) -> Features:
     """The split rendered and labelled, read from the cache beside the dataset's own Arrow
     files when the same data, tokenizer, template, length and flags made it before (JSON: no
-    code can run from it)."""
-    cache = _cache_file(rows, split, tokenizer, seq_length, options)
-    if cache is not None and cache.is_file():
+    code can run from it). A cached file is checked as strictly as a rendering: its key and
+    its checksum, every id in the vocabulary, every label masked or the id it labels, every
+    row within --seq-length; one that fails is rendered again, with a warning."""
+    found = _cache_file(rows, split, tokenizer, seq_length, options)
+    if found is not None and found[0].is_file():
+        cache, key = found
         try:
             saved = json.loads(cache.read_text())
+            problem = _cache_problem(saved, key, len(tokenizer), seq_length)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            problem = f"unreadable ({type(exc).__name__})"
+        if problem is None:
             notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache}"]
             return Features(saved["rows"], split, notes=notes)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # a damaged cache file: rendered again, and rewritten
+        log.warning("the cache %s %s: the %s split is rendered again", cache, problem, split)
     features = _render_split(rows, split, tokenizer, seq_length, options)
-    if cache is not None:
+    if found is not None:
+        cache, key = found
         staged = cache.with_name(f"{cache.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        record = {"key": key, "checksum": _checksum(features.rows), "rows": features.rows,
+                  "notes": features.extra["notes"]}  # fmt: skip
         with contextlib.suppress(OSError):  # a read-only cache only costs the next run time
-            staged.write_text(json.dumps({"rows": features.rows,
-                                          "notes": features.extra["notes"]}))  # fmt: skip
+            staged.write_text(json.dumps(record))
             os.replace(staged, cache)  # whole or absent, whichever rank writes it
     return features
 
 
+def _checksum(rows: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+def _cache_problem(
+    saved: dict[str, Any], key: dict[str, Any], vocab: int, seq_length: int
+) -> str | None:
+    """What is wrong with a cached rendering (None: nothing): made for other data or
+    settings, edited since, or holding rows no rendering makes."""
+    if saved.get("key") != key:
+        return "was made for other data or settings"
+    if saved.get("checksum") != _checksum(saved["rows"]):
+        return "does not match its checksum (edited or damaged)"
+    for index, row in enumerate(saved["rows"]):
+        ids, labels, mask = row["input_ids"], row["labels"], row["attention_mask"]
+        if not 0 < len(ids) <= seq_length or len(labels) != len(ids) or mask != [1] * len(ids):
+            return (
+                f"holds row {index} of {len(ids)} tokens, not 1 to {seq_length} with a label each"
+            )
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            return f"holds an id outside the vocabulary of {vocab} in row {index}"
+        if any(
+            label not in (IGNORE_INDEX, token) for token, label in zip(ids, labels, strict=True)
+        ):
+            return f"holds a label in row {index} that is neither masked nor its token"
+    return None
+
+
 def _cache_file(
     rows: HFDataset, split: str, tokenizer: Any, seq_length: int, options: ChatOptions
-) -> Path | None:
+) -> tuple[Path, dict[str, Any]] | None:
     """Where this split's rendering is cached: beside the dataset's Arrow files, named by a
-    hash of everything the rendering depends on (None for a dataset in memory)."""
+    hash of everything the rendering depends on (its key, returned too); None for a dataset in
+    memory."""
     files = getattr(rows, "cache_files", None)
     fingerprint = getattr(rows, "_fingerprint", None)
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -176,7 +214,7 @@ def _cache_file(
         "transformers": _transformers_version(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return Path(files[0]["filename"]).parent / f"rapidformer-chat-{digest}.json"
+    return Path(files[0]["filename"]).parent / f"rapidformer-chat-{digest}.json", key
 
 
 def _transformers_version() -> str:
