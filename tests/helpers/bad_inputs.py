@@ -138,6 +138,40 @@ def _foreign_adapter(inputs: Inputs) -> Path:
     return out
 
 
+def _adapter(name: str, changes: dict[str, object] | list[object], recorded: str = "") -> Callable:
+    """A fine-tuning run from an adapter that fits the tiny BERT, its adapter_config.json
+    changed by ``changes`` (a key mapped to ``DROP`` is removed; a list replaces the whole
+    file), and with ``recorded`` the fingerprint of the base it says it was trained on."""
+
+    def argv(inputs: Inputs) -> list[str]:
+        import torch
+        from safetensors.torch import save_file
+
+        out = inputs.root / f"adapter_{name}"
+        out.mkdir(exist_ok=True)
+        config: object = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["query"]}
+        if isinstance(changes, list):
+            config = changes
+        else:
+            config = {k: v for k, v in {**config, **changes}.items() if v is not DROP}
+        (out / "adapter_config.json").write_text(json.dumps(config))
+        tensors = {
+            f"base_model.model.bert.encoder.layer.{n}.attention.self.query.lora_{ab}.weight": t
+            for n in (0, 1)
+            for ab, t in (("A", torch.zeros(2, 32)), ("B", torch.zeros(32, 2)))
+        }
+        save_file(tensors, out / "adapter_model.safetensors")
+        if recorded:
+            base = {"sha256": recorded, "source": "another/base"}
+            (out / "rapidformer-base.json").write_text(json.dumps(base))
+        return _finetune(inputs, inputs.finetune, "--lora-adapter", str(out))
+
+    return argv
+
+
+DROP = object()
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -689,6 +723,51 @@ CASES = [
         "quantize-base-needs-bf16",
         lambda i: _finetune(i, i.finetune, "--lora-rank", "4", "--quantize-base", "nf4"),
         ("--quantize-base='nf4'", "needs --precision bf16", "Fix: add --precision bf16"),
+    ),
+    Case(
+        "adapter-rank-huge",
+        _adapter("huge", {"r": 1_000_000_000}),
+        ("--lora-adapter", "does not fit this model", "(1000000000, 32) for this model"),
+    ),
+    Case(
+        "adapter-alpha-nan",
+        _adapter("nan", {"lora_alpha": float("nan")}),
+        ("--lora-adapter", "lora_alpha=nan", "as --lora-alpha"),
+    ),
+    Case(
+        "adapter-alpha-negative",
+        _adapter("negative", {"lora_alpha": -8}),
+        ("--lora-adapter", "lora_alpha=-8", "above 0"),
+    ),
+    Case(
+        "adapter-dropout-above-one",
+        _adapter("dropout", {"lora_dropout": 1.5}),
+        ("--lora-adapter", "lora_dropout=1.5", "below 1"),
+    ),
+    Case(
+        "adapter-rank-a-word",
+        _adapter("word", {"r": "four"}),
+        ("--lora-adapter", "r='four'", "as --lora-rank"),
+    ),
+    Case(
+        "adapter-rank-missing",
+        _adapter("no_rank", {"r": DROP}),
+        ("--lora-adapter", "r=None", "as --lora-rank"),
+    ),
+    Case(
+        "adapter-config-a-list",
+        _adapter("list", ["r", 2]),
+        ("--lora-adapter", "holds a list, not the adapter's settings"),
+    ),
+    Case(
+        "adapter-targets-a-number",
+        _adapter("targets", {"target_modules": 42}),
+        ("--lora-adapter", "target_modules=42", "module names"),
+    ),
+    Case(
+        "adapter-of-another-base",
+        _adapter("other_base", {}, recorded="0" * 64),
+        ("--lora-adapter", "trained on another base", "another/base"),
     ),
     Case(
         "adapter-of-another-shape",

@@ -45,7 +45,7 @@ from rapidformer.accel.lora.quantize import (
 from rapidformer.accel.lora.rules import late_weight_rules, lora_on
 from rapidformer.accel.lora.settings import settings_of
 from rapidformer.accel.lora.slot import Adapters
-from rapidformer.accel.lora.start import base_fingerprint, start_adapters
+from rapidformer.accel.lora.start import base_fingerprint, check_adapter_file, start_adapters
 from rapidformer.accel.lora.targets import (
     is_output_head,
     modules_to_save,
@@ -86,6 +86,10 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
             "leave the head out of the targets, or drop --fused-lm-loss",
         )  # fmt: skip
     fingerprint = "" if on_meta else base_fingerprint(model, saved)
+    if config.adapters.lora_adapter is not None:
+        check_adapter_file(
+            model, targets, settings.shape, config.adapters.lora_adapter, fingerprint
+        )
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     modules = dict(model.named_modules())

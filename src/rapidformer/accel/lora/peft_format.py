@@ -16,6 +16,7 @@ one only at the value that leaves it off; anything else is refused by name, neve
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,16 +183,56 @@ def read_settings(directory: str | Path, flag: str = "--lora-adapter") -> Adapte
         )  # fmt: skip
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError.single(flag, str(directory), f"{config_file} is not JSON: {exc}",
                                  "write the adapter again") from None  # fmt: skip
     return settings_from(config, f"{flag} {directory}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _value_problems(config: Mapping[str, Any]) -> list[str]:
+    """Each value of an adapter's settings that its flag's rules refuse, or that has the wrong
+    type, said with its key (and the flag that sets it)."""
+    problems = []
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        problems.append(f"r={rank!r} (as --lora-rank: a whole number, at least 1)")
+    alpha = config.get("lora_alpha", 8)
+    if not _number(alpha) or alpha <= 0:
+        problems.append(f"lora_alpha={alpha!r} (as --lora-alpha: a finite number above 0)")
+    dropout = config.get("lora_dropout", 0.0)
+    if not _number(dropout) or not 0 <= dropout < 1:
+        problems.append(f"lora_dropout={dropout!r} (as --lora-dropout: at least 0, below 1)")
+    targets = config.get("target_modules")
+    if not isinstance(targets, str) and not (
+        isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)
+    ):
+        problems.append(f"target_modules={targets!r} (module names, or one regular expression)")
+    saved = config.get("modules_to_save")
+    if saved is not None and not (
+        isinstance(saved, list) and all(isinstance(m, str) for m in saved)
+    ):
+        problems.append(f"modules_to_save={saved!r} (a list of module names)")
+    problems += [
+        f"{key}={config[key]!r} (true or false)"
+        for key in ("use_dora", "use_rslora", "fan_in_fan_out")
+        if key in config and not isinstance(config[key], bool)
+    ]
+    return problems
 
 
 def settings_from(config: Mapping[str, Any], where: str) -> AdapterSettings:
     """Settings from an ``adapter_config.json``'s content; ``where`` names its source in
     errors."""
     flag, _, value = where.partition(" ")
+    if not isinstance(config, Mapping):
+        raise ConfigError.single(
+            flag, value, f"its {CONFIG_FILE} holds a {type(config).__name__}, not the adapter's "
+            "settings (a mapping)", "write the adapter again with rapidformer or PEFT",
+        )  # fmt: skip
     if config.get("peft_type") != "LORA":
         raise ConfigError.single(
             flag, value,
@@ -220,6 +261,12 @@ def settings_from(config: Mapping[str, Any], where: str) -> AdapterSettings:
     if targets is None:
         raise ConfigError.single(flag, value, f"{CONFIG_FILE} names no target_modules",
                                  "pass an adapter PEFT saved for a known model")  # fmt: skip
+    problems = _value_problems(config)
+    if problems:
+        raise ConfigError.single(
+            flag, value, f"its {CONFIG_FILE} holds {'; '.join(problems)}",
+            "write the adapter again (its settings are checked as the flags are)",
+        )  # fmt: skip
     shape = AdapterShape(
         int(config["r"]),
         float(config.get("lora_alpha", 8)),
@@ -234,6 +281,42 @@ def settings_from(config: Mapping[str, Any], where: str) -> AdapterSettings:
         task_type=config.get("task_type"),
         fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
     )
+
+
+def tensor_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """The adapter's tensor shapes by the model's names, read from the file's header: nothing
+    is allocated (a shape is checked before a layer of that size is made)."""
+    from safetensors import safe_open
+
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as weights:
+        return {
+            key.removeprefix(PREFIX): tuple(weights.get_slice(key).get_shape())
+            for key in weights.keys()  # noqa: SIM118 (safe_open is no mapping)
+        }
+
+
+BASE_FILE = "rapidformer-base.json"
+"""Beside an adapter rapidformer writes: the fingerprint of the base it was trained on (PEFT
+ignores the file; rapidformer refuses the adapter on another base)."""
+
+
+def write_base(out_dir: str | Path, sha256: str, source: str) -> None:
+    if sha256:
+        text = json.dumps({"sha256": sha256, "source": source}, indent=2)
+        (Path(out_dir) / BASE_FILE).write_text(text + "\n")
+
+
+def read_base(directory: str | Path) -> dict[str, str] | None:
+    """The base an adapter recorded (None: written by PEFT, or before the record existed)."""
+    path = Path(directory) / BASE_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
 
 
 def read_tensors(directory: str | Path, flag: str = "--lora-adapter") -> dict[str, torch.Tensor]:

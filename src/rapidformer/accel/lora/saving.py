@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from rapidformer.accel.lora.layer import is_conv1d, merge
-from rapidformer.accel.lora.peft_format import adapter_tensors, save_adapter, settings_from
+from rapidformer.accel.lora.peft_format import (
+    adapter_tensors,
+    save_adapter,
+    settings_from,
+    write_base,
+)
 from rapidformer.accel.lora.start import base_fingerprint
 from rapidformer.errors import CheckpointError
 from rapidformer.state import FrozenBase, Tensors
@@ -46,8 +51,11 @@ def trained_tensors(base: FrozenBase, full_state: Mapping[str, torch.Tensor]) ->
 def save_run_adapter(
     base: FrozenBase, full_state: Mapping[str, torch.Tensor], out_dir: str | Path
 ) -> Path:
-    """Write the adapter of a run (``full_state``: its gathered model state, rank 0)."""
-    return save_adapter(out_dir, trained_tensors(base, full_state), base.adapter_config)
+    """Write the adapter of a run (``full_state``: its gathered model state, rank 0), with the
+    fingerprint of its base."""
+    out = save_adapter(out_dir, trained_tensors(base, full_state), base.adapter_config)
+    write_base(out, base.fingerprint, base.source)
+    return out
 
 
 def export_adapter(
@@ -59,7 +67,9 @@ def export_adapter(
     as a Hugging Face model directory."""
     config = record["adapter"]
     if not merge_lora:
-        return save_adapter(out_dir, dict(trained), config)
+        out = save_adapter(out_dir, dict(trained), config)
+        write_base(out, str(record.get("sha256", "")), str(record.get("source", "")))
+        return out
     settings = settings_from(config, "--merge-lora (the checkpoint's adapter)")
     source = settings.base
     if source is None or not Path(source).is_dir():

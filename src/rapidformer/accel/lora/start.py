@@ -9,8 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rapidformer.accel.lora.layer import ADAPTER_PARAMETER, adapted_layers, init_adapter
-from rapidformer.accel.lora.peft_format import read_tensors
+from rapidformer.accel.lora.layer import (
+    ADAPTER_PARAMETER,
+    AdapterShape,
+    adapted_layers,
+    features,
+    init_adapter,
+)
+from rapidformer.accel.lora.peft_format import read_base, read_tensors, tensor_shapes
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.errors import ConfigError
 from rapidformer.models.fingerprint import weights_fingerprint
@@ -69,3 +75,40 @@ def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
         for name, parameter in model.named_parameters()
         if not any(name.startswith(s + ".") for s in saved) and ADAPTER_PARAMETER not in name
     )
+
+
+def check_adapter_file(
+    model: nn.Module, targets: list[str], shape: AdapterShape, source: str, fingerprint: str
+) -> None:
+    """Before any adapter is made: the file's tensors have the shapes this model's layers
+    give them (an ``r`` no file holds allocates nothing), and the adapter was trained on this
+    base, where it recorded its base (rapidformer's adapters do; PEFT's do not)."""
+    modules = dict(model.named_modules())
+    shapes = tensor_shapes(source)
+    wrong = []
+    for path in targets:
+        inputs, outputs = features(modules[path])
+        expected: dict[str, tuple[int, ...]] = {
+            f"{path}.lora_A.weight": (shape.rank, inputs),
+            f"{path}.lora_B.weight": (outputs, shape.rank),
+        }
+        if shape.variant == "dora":
+            expected[f"{path}.lora_magnitude_vector"] = (outputs,)
+        wrong += [
+            f"{name} is {shapes[name]} there, {want} for this model"
+            for name, want in expected.items()
+            if name in shapes and shapes[name] != want
+        ]
+    if wrong:
+        raise ConfigError.single(
+            "--lora-adapter", source, f"does not fit this model: {'; '.join(wrong[:3])}",
+            "pass the adapter made for this --pretrained-model-name-or-path",
+        )  # fmt: skip
+    recorded = read_base(source)
+    if recorded is not None and fingerprint and recorded["sha256"] != fingerprint:
+        raise ConfigError.single(
+            "--lora-adapter", source,
+            f"was trained on another base: {recorded.get('source')} (sha256 "
+            f"{recorded['sha256'][:12]}), and this run's base is {fingerprint[:12]}",
+            "pass the base it was trained on as --pretrained-model-name-or-path",
+        )  # fmt: skip
