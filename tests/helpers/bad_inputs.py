@@ -380,21 +380,35 @@ def argv_of(case: Case, inputs: Inputs, save: Path) -> list[str]:
     return argv if "--save" in argv or case.entry != "rapidformer" else [*argv, "--save", str(save)]
 
 
-def _fine_tuned_checkpoint(inputs: Inputs) -> Path:
-    """A copy of the checkpoint recorded as a fine-tuning of ``inputs.bert`` (its manifest
-    written again: the checkpoint is whole)."""
+def _rewritten(inputs: Inputs, name: str, edit: Callable[[dict], None]) -> Path:
+    """A copy of the checkpoint whose progress record ``edit`` changed, its manifest written
+    again: the checkpoint is whole, and says what the edit says."""
     from rapidformer.checkpoint.integrity import write_manifest
 
-    copy = inputs.root / "ckpt_finetuned"
+    copy = inputs.root / f"ckpt_{name}"
     if not copy.exists():
         shutil.copytree(inputs.checkpoint, copy)
         progress = copy / "iter_0000002" / "progress.json"
         record = json.loads(progress.read_text())
-        record["config"]["model"]["pretrained_model_name_or_path"] = str(inputs.bert)
+        edit(record)
         progress.write_text(json.dumps(record))
         manifest = json.loads((copy / "iter_0000002" / "manifest.json").read_text())
         write_manifest(copy / "iter_0000002", manifest.get("required"))
     return copy
+
+
+def _fine_tuned_checkpoint(inputs: Inputs) -> Path:
+    """The checkpoint recorded as a fine-tuning of ``inputs.bert``."""
+
+    def edit(record: dict) -> None:
+        record["config"]["model"]["pretrained_model_name_or_path"] = str(inputs.bert)
+
+    return _rewritten(inputs, "finetuned", edit)
+
+
+def _step_far_ahead(inputs: Inputs) -> list[str]:
+    copy = _rewritten(inputs, "far_ahead", lambda record: record.update(step=10**12))
+    return [*WHITE_BOX, "--load", str(copy)]
 
 
 def _export_into(where: Callable[[Inputs], Path], *flags: str) -> Callable[[Inputs], list[str]]:
@@ -927,6 +941,11 @@ CASES = [
         "checkpoint-progress-no-step",
         _damaged_progress("no_step", b'{"epoch": 0}'),
         ("progress.json has no step count", "None", "Fix:"),
+    ),
+    Case(
+        "checkpoint-step-past-the-end",
+        _step_far_ahead,
+        ("is at step 1000000000000, past this run's last step 2", "start afresh"),
     ),
     Case(
         "checkpoint-progress-step-text",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidformer.checkpoint import PROGRESS, find_checkpoint, load_checkpoint
+from rapidformer.checkpoint.directory import read_progress
 from rapidformer.checkpoint.pretrained import load_pretrained
 from rapidformer.checkpoint.upcycle import load_upcycled
 from rapidformer.config.root import RapidformerConfig
@@ -19,9 +20,12 @@ from rapidformer.state import TrainState
 from rapidformer.templates.progress import Progress, consumed_here
 
 
-def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) -> Progress:
+def resume(
+    config: RapidformerConfig, state: TrainState, dp: int, main: bool, total_steps: int
+) -> Progress:
     """Restore ``state`` from the checkpoint the flags name (``--save`` resumes itself,
-    else ``--load``) and return the progress to continue from; a fresh Progress without."""
+    else ``--load``) and return the progress to continue from; a fresh Progress without. A
+    checkpoint past the run's ``total_steps`` is refused before anything is read."""
     checkpoints = config.checkpoint
     if checkpoints.pretrained_checkpoint is not None:
         _start_from(checkpoints.pretrained_checkpoint, state, main)
@@ -45,6 +49,7 @@ def resume(config: RapidformerConfig, state: TrainState, dp: int, main: bool) ->
     else:
         return Progress()
     _refuse_other_run(path, config)
+    _refuse_past_the_end(path, total_steps)
     try:
         saved = load_checkpoint(path, state)
     except CheckpointError as exc:
@@ -97,6 +102,18 @@ SAME_RUN = {
 """The flags a resume must share with the run that wrote the checkpoint: those that shape the
 model (a model of other heads loads its tensors without an error, and reads them wrongly) and
 the seed (another seed draws other data and other dropout: another run)."""
+
+
+def _refuse_past_the_end(path: Path, total_steps: int) -> None:
+    """A checkpoint of a later step than this run ends at would train nothing and report
+    success: its step is a bad input (a length changed since, or an edited record)."""
+    step = read_progress(path)["step"]
+    if step > total_steps:
+        raise CheckpointError(
+            f"{path} is at step {step}, past this run's last step {total_steps} "
+            "(--train-iters, or --epochs over the data): resuming would train nothing. Fix: "
+            "give the length the run was started with, or start afresh with another --save"
+        )
 
 
 def _refuse_other_run(path: Path, config: RapidformerConfig) -> None:

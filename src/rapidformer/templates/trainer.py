@@ -236,7 +236,7 @@ class Trainer(ABC):
             loss = type(self).compute_loss
             compiled = engine.compiled_loss(loss)
             self._compiled_loss = None if compiled is loss else compiled
-        progress = self._resume(state)
+        progress = self._resume(state, total_steps)
         engine.resume_at(progress.step)
         logger = open_logger(
             cfg, engine, state, progress, total_steps, self.extra_log_metrics, self._callbacks
@@ -378,8 +378,9 @@ class Trainer(ABC):
         micro_batches = -(-per_rank // self.config.data.micro_batch_size)
         return training.epochs * -(-micro_batches // self.engine.accumulation_steps)
 
-    def _resume(self, state: TrainState) -> Progress:
-        return resume(self.config, state, self.engine.dims.dp, self.engine.is_main_process)
+    def _resume(self, state: TrainState, total_steps: int) -> Progress:
+        main = self.engine.is_main_process
+        return resume(self.config, state, self.engine.dims.dp, main, total_steps)
 
 
 def _has_split_step(cls: type[Trainer]) -> bool:
