@@ -304,6 +304,17 @@ def _model_dir(name: str, edit: Callable[[Path], None]) -> Callable[[Inputs], li
     return argv
 
 
+def _nan_weight(model: Path) -> None:
+    """One NaN in a weight of the model's safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    (file,) = model.glob("*.safetensors")
+    weights = load_file(file)
+    name = next(k for k in weights if k.endswith("query.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, file, metadata={"format": "pt"})
+
+
 def _config_edit(**changes: object) -> Callable[[Path], None]:
     def edit(model: Path) -> None:
         config = json.loads((model / "config.json").read_text())
@@ -737,6 +748,11 @@ CASES = [
         "quantize-base-needs-bf16",
         lambda i: _finetune(i, i.finetune, "--lora-rank", "4", "--quantize-base", "nf4"),
         ("--quantize-base='nf4'", "needs --precision bf16", "Fix: add --precision bf16"),
+    ),
+    Case(
+        "adapter-base-holds-nan",
+        lambda i: [*_model_dir("bert_nan", _nan_weight)(i), "--lora-rank", "4"],
+        ("--pretrained-model-name-or-path", "holds a NaN or an infinity in", "query.weight"),
     ),
     Case(
         "adapter-rank-huge",

@@ -10,6 +10,7 @@ storage dtype) is what the adapters' checkpoints are checked against.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from rapidformer.checkpoint.directory import PROGRESS, find_checkpoint, read_progress
@@ -17,6 +18,10 @@ from rapidformer.checkpoint.formats import read_model_state, saved_format
 from rapidformer.errors import CheckpointError
 from rapidformer.models.fingerprint import weights_fingerprint
 from rapidformer.state import TrainState
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
 
 
 def load_pretrained(state: TrainState, source: str) -> str:
@@ -66,6 +71,13 @@ def load_pretrained(state: TrainState, source: str) -> str:
                 f"--pretrained-checkpoint {path} is not a model of this shape: "
                 f"{'; '.join(problems)}. Fix: pass the model flags it was trained with (its "
                 f"{PROGRESS} holds them)"
+            )
+        broken = next((k for k in wanted if not _finite(weights[k])), None)
+        if broken is not None:
+            raise CheckpointError(
+                f"--pretrained-checkpoint {path} holds a NaN or an infinity in {broken}: a run "
+                "from it would learn nothing (every step non-finite). Fix: start from a "
+                "checkpoint with finite weights"
             )
         try:
             set_model_state_dict(part, {k: weights[k] for k in wanted}, options=options)

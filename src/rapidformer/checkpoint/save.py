@@ -72,16 +72,22 @@ def save_checkpoint(
 
 
 def refuse_non_finite(root: Path, step: int, state: TrainState) -> None:
-    """Never a checkpoint of NaN or infinite weights: one reduction over the trained
-    parameters where they are, shared by every rank, one host read per save (not per step)."""
-    trained = [local_part(p) for p in state.parameters if p.requires_grad]
-    finite = [torch.isfinite(p).all() for p in trained if p.numel()]
+    """Never a checkpoint of NaN or infinite weights: one reduction over the parameters where
+    they are (a frozen base's too: adapters on it would be saved as if they had learned),
+    shared by every rank, one host read per save (not per step)."""
+    weights = [local_part(p.detach()) for p in state.parameters]
+    finite = [torch.isfinite(p).all() for p in weights if p.numel() and _plain(p)]
     bad = torch.zeros(1, device=state.device)
     if finite:
         bad += torch.stack(finite).logical_not().any().to(bad.device)
     process_group.all_reduce_sum(bad, process_group.world_group())
     if bad.item():
         raise non_finite_error(root, step)
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A floating-point tensor of torch's own (a quantised subclass, NF4's, holds codes)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_floating_point()
 
 
 def non_finite_error(root: Path, step: int) -> CheckpointError:

@@ -39,6 +39,7 @@ from rapidformer.config.env import LaunchEnv, launch_violations
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import local_part
 from rapidformer.engine.late_weights import LateWeights
 from rapidformer.engine.order import backend
 from rapidformer.engine.plan_log import log_plan, measure_peak, model_mfu_meter, trust_steps
@@ -291,12 +292,34 @@ class RapidformerEngine:
         """Optimizer steps run so far (a resumed run counts on from the step it resumed at)."""
         return self.guard.steps
 
-    def judge_skipped_steps(self) -> None:
+    def judge_skipped_steps(self, final: bool = False) -> None:
         """Read the flags of the steps not yet judged, log the skipped ones, and stop
-        (:class:`~rapidformer.errors.NonFiniteError`) after --max-skipped-steps in a row.
-        Every rank calls it at the same step: before a checkpoint (so that none is written
-        after a run of skips) and at the end of a run."""
+        (:class:`~rapidformer.errors.NonFiniteError`) after --max-skipped-steps in a row, or
+        at the end of a run (``final``) whose every step was skipped. Every rank calls it at
+        the same step: before a checkpoint (so that none is written after a run of skips) and
+        at the end of a run."""
         self.guard.judge_pending()
+        if final:
+            self.guard.refuse_if_nothing_applied(self._why_nothing_applied())
+
+    def _why_nothing_applied(self) -> str:
+        """The cause to name when no step was applied: a weight that is not finite (a frozen
+        base's too), else the loss or gradients the data and --lr gave."""
+        state = self._require_state()
+        for name, parameter in state.unwrapped_model.named_parameters():
+            local = local_part(parameter.detach())
+            plain = type(local) is torch.Tensor and local.is_floating_point()  # not NF4 codes
+            if plain and local.numel() and not bool(torch.isfinite(local).all()):
+                frozen = "frozen " if not parameter.requires_grad else ""
+                return (
+                    f"the model's {frozen}weight {name} holds a NaN or an infinity (where the "
+                    "model or --pretrained-checkpoint was read from). Fix: start from finite "
+                    "weights"
+                )
+        return (
+            "every step's loss or gradients were not finite. Fix: lower --lr, check the data "
+            "for bad samples, or use bf16 instead of fp16"
+        )
 
     def request_stop(self) -> None:
         """Ask every rank to stop after the same step, as a stop signal does (callable from

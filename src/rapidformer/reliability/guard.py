@@ -149,6 +149,9 @@ class StepGuard:
         """Optimizer steps seen (a resumed run sets the step it resumed at)."""
         self.consecutive_skips = 0
         """Skipped steps in a row, as of the last judged step."""
+        self.judged = 0
+        self.applied = 0
+        """Steps judged, and of them applied, in this process."""
         self._loss: torch.Tensor | None = None
         self._stop_requested = False
         """Set by :meth:`request_stop` (from any thread)."""
@@ -231,8 +234,10 @@ class StepGuard:
         """Account for one step, skipped where ``why`` says why: log it, and raise once
         ``--max-skipped-steps`` came in a row (nothing of them was applied: the parameters and
         checkpoints are intact)."""
+        self.judged += 1
         if not why:
             self.consecutive_skips = 0
+            self.applied += 1
             return
         self.consecutive_skips += 1
         if process_group.rank() == 0:
@@ -244,6 +249,15 @@ class StepGuard:
                 "applied, so the parameters and the last checkpoint are intact. Fix: check the "
                 "data for bad samples, lower --lr, use bf16 instead of fp16, or raise "
                 "--max-skipped-steps"
+            )
+
+    def refuse_if_nothing_applied(self, cause: str) -> None:
+        """At the end of a run: one whose every judged step was skipped learned nothing, and
+        must not end as a success (``cause``: what made the steps non-finite)."""
+        if self.judged and not self.applied:
+            raise NonFiniteError(
+                f"every one of this run's {self.judged} steps was skipped, so it learned "
+                f"nothing and no checkpoint of it is written: {cause}"
             )
 
     def _nonfinite(self, value: torch.Tensor | None) -> torch.Tensor:

@@ -296,7 +296,7 @@ class Trainer(ABC):
             if saves.due(progress.step, final=last_step or stopping):
                 # A run that has skipped --max-skipped-steps in a row stops here, before it
                 # writes a checkpoint (it would hold nothing new).
-                engine.judge_skipped_steps()
+                engine.judge_skipped_steps(final=last_step)
                 record = {**asdict(progress), "config": cfg.to_dict()}
                 path = saves.save(progress.step, state, record, final=last_step or stopping)
             if stopping:
@@ -305,7 +305,7 @@ class Trainer(ABC):
                     f"({engine.stop_signal or 'on another rank'}); checkpoint written to {path}. "
                     "Rerun the same command to resume from it"
                 )
-        engine.judge_skipped_steps()  # the steps since the last --log-interval
+        engine.judge_skipped_steps(final=True)  # the steps since the last --log-interval
         say_saved(cfg, path, logger)
         if result is None:
             return metrics

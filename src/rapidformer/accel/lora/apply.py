@@ -45,7 +45,12 @@ from rapidformer.accel.lora.quantize import (
 from rapidformer.accel.lora.rules import late_weight_rules, lora_on
 from rapidformer.accel.lora.settings import settings_of
 from rapidformer.accel.lora.slot import Adapters
-from rapidformer.accel.lora.start import base_fingerprint, check_adapter_file, start_adapters
+from rapidformer.accel.lora.start import (
+    base_fingerprint,
+    check_adapter_file,
+    refuse_non_finite_base,
+    start_adapters,
+)
 from rapidformer.accel.lora.targets import (
     is_output_head,
     modules_to_save,
@@ -85,6 +90,8 @@ def apply_lora(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
             "computes from its weight alone: the adapter would never train",
             "leave the head out of the targets, or drop --fused-lm-loss",
         )  # fmt: skip
+    if not on_meta:
+        refuse_non_finite_base(model, settings.base or type(model).__name__)
     fingerprint = "" if on_meta else base_fingerprint(model, saved)
     if config.adapters.lora_adapter is not None:
         check_adapter_file(

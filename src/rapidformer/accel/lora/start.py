@@ -112,3 +112,20 @@ def check_adapter_file(
             f"{recorded['sha256'][:12]}), and this run's base is {fingerprint[:12]}",
             "pass the base it was trained on as --pretrained-model-name-or-path",
         )  # fmt: skip
+
+
+def refuse_non_finite_base(model: nn.Module, source: str) -> None:
+    """A frozen base holding a NaN or an infinity makes every step non-finite: the adapters
+    would learn nothing, so it is refused before anything trains (``source``: where it was
+    read from)."""
+    for name, parameter in model.named_parameters():
+        local = parameter.detach()
+        local = local.to_local() if isinstance(local, DTensor) else local
+        plain = type(local) is torch.Tensor and local.is_floating_point() and local.numel()
+        if plain and not bool(torch.isfinite(local).all()):
+            raise ConfigError.single(
+                "--pretrained-model-name-or-path", source,
+                f"holds a NaN or an infinity in {name}: adapters on it would learn nothing "
+                "(every step non-finite)",
+                "start from a base with finite weights",
+            )  # fmt: skip
