@@ -159,10 +159,11 @@ def test_a_save_directory_that_cannot_be_written_is_named(
         raise PermissionError(13, "Permission denied", str(path))
 
     with monkeypatch.context() as patch:
-        patch.setattr(lock, "open", read_only, raising=False)
+        patch.setattr(lock, "open_own", read_only)
         code, error = _said(argv, capsys)
     assert code == 2
     assert f"--save {save} cannot be written (Permission denied)" in error
+    assert "where this user may write" in error and "free space" not in error
     with monkeypatch.context() as patch:
         patch.setattr(lock.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(9, 9, 4096))
         code, error = _said(argv, capsys)

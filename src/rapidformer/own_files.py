@@ -32,3 +32,14 @@ def open_own(path: Path, mode: str = "w") -> IO[str]:
     if mode == "w":
         stream.truncate()
     return stream
+
+
+def write_fix(failure: BaseException | None) -> str:
+    """What to do about a failed write, by its cause: room for a full disk, permission for a
+    directory this user may not write, and either where it is not known."""
+    number = getattr(failure, "errno", None)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there"
+    if number in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "let this user write there"
+    return "check that the disk there has room and this user may write"

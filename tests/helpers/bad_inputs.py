@@ -633,6 +633,11 @@ CASES = [
         ("train.jsonl", "line 3"),
     ),
     Case(
+        "line-over-16-mib",  # refused by its length, before anything parses it
+        _finetune_files("huge_line", _jsonl([*GOOD_ROWS[:1], {"text": "a" * 17 * 2**20}])),
+        ("train.jsonl, line 2", "longer than 16 MiB", "split it into rows"),
+    ),
+    Case(
         "text-not-text",
         _finetune_files("numeric", _jsonl([{"text": 123, "label": "a"}, *GOOD_ROWS])),
         ("text column holds 123 (int) in row 0", "as a string"),
@@ -834,6 +839,11 @@ CASES = [
         "chat-nothing-left-to-learn",
         _chat("short", [CHAT] * 4, "--seq-length", "6"),
         ("4 of the train split's 4 samples have no token", "--drop-unsupervised"),
+    ),
+    Case(
+        "chat-nothing-left-after-dropping",
+        _chat("all_dropped", [CHAT] * 4, "--seq-length", "6", "--drop-unsupervised"),
+        ("all 4 samples of the train split have no token", "dropped every one", "Fix:"),
     ),
     Case(
         "chat-flag-on-plain-text",

@@ -60,6 +60,7 @@ from rapidformer.distributed import process_group
 from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
 from rapidformer.log import log
+from rapidformer.own_files import write_fix
 from rapidformer.state import TrainState
 
 _NON_FINITE, _FAILED = 0, 1
@@ -198,8 +199,8 @@ class BackgroundSaver:
             raise CheckpointError(
                 f"the background write of the checkpoint of step {self._step} failed "
                 f"({type(failure).__name__}: {failure}); it was not published, and the "
-                "previous checkpoint and 'latest' are untouched. Fix: free space there or pass "
-                "another --save, then rerun to resume"
+                f"previous checkpoint and 'latest' are untouched. Fix: {write_fix(failure)} or "
+                "pass another --save, then rerun to resume"
             ) from failure
 
     def _agree(self, reports: list[bool]) -> list[bool]:

@@ -33,20 +33,14 @@ def check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
         return
     if saved is None:
         raise CheckpointError(
-            f"{path} holds a whole model, and this run trains adapters on a frozen base: "
+            f"{path} holds a whole model, and this run trains adapters on a frozen base. Fix: "
             "start from its weights instead (export it, then --pretrained-model-name-or-path)"
         )
     if running is None:
         raise CheckpointError(
-            f"{path} holds adapters on the base {saved['source']}: resume it with the adapter "
-            "flags it was saved with (its progress.json holds them), or export it merged into "
-            "its base first (python -m rapidformer.export --help)"
-        )
-    if saved["sha256"] != running["sha256"]:
-        raise CheckpointError(
-            f"{path} holds adapters trained on another base: it was saved on {saved['source']} "
-            f"(sha256 {saved['sha256'][:12]}), this run's base {running['source']} is "
-            f"{running['sha256'][:12]}. Resume with the base it was trained on"
+            f"{path} holds adapters on the base {saved['source']}. Fix: resume it with the "
+            "adapter flags it was saved with (its progress.json holds them), or export it "
+            "merged into its base first (python -m rapidformer.export --help)"
         )
     assert state.frozen_base is not None
     differ = [
@@ -56,6 +50,13 @@ def check_base(path: Path, state: TrainState, record: dict[str, Any]) -> None:
     ]
     if differ:
         raise CheckpointError(
-            f"{path} holds other adapters than this run makes ({'; '.join(differ)}): resume "
-            "with the adapter flags it was saved with (its progress.json holds them)"
+            f"{path} holds other adapters than this run makes ({'; '.join(differ)}). Fix: "
+            "resume with the adapter flags it was saved with (its progress.json holds them)"
+        )
+    # Checked after what the adapters compute: adapters of another kind are not "another base".
+    if saved["sha256"] != running["sha256"]:
+        raise CheckpointError(
+            f"{path} holds adapters trained on another base: it was saved on {saved['source']} "
+            f"(sha256 {saved['sha256'][:12]}), this run's base {running['source']} is "
+            f"{running['sha256'][:12]}. Fix: resume with the base it was trained on"
         )

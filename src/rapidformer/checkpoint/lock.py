@@ -32,7 +32,7 @@ import torch
 from rapidformer.distributed import process_group
 from rapidformer.errors import CheckpointError
 from rapidformer.log import log
-from rapidformer.own_files import open_own
+from rapidformer.own_files import open_own, write_fix
 
 LOCK_FILE = ".lock"
 FULL_BELOW = 1 << 20
@@ -124,8 +124,8 @@ def _take(root: Path) -> SaveDirectoryLock:
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
         raise CheckpointError(
-            f"--save {root} cannot be written ({error.strerror or error}). Fix: free space "
-            f"there, or {fix}"
+            f"--save {root} cannot be written ({error.strerror or error}). Fix: "
+            f"{write_fix(error)}, or {fix}"
         ) from None
     return SaveDirectoryLock(root, handle)
 

@@ -32,7 +32,7 @@ from rapidformer.checkpoint.integrity import write_manifest
 from rapidformer.distributed import process_group
 from rapidformer.distributed.tensors import local_part
 from rapidformer.errors import CheckpointError
-from rapidformer.own_files import open_own
+from rapidformer.own_files import open_own, write_fix
 from rapidformer.seeding import rng_state
 from rapidformer.state import TrainState
 
@@ -207,6 +207,6 @@ def _agree(action: Callable[[], None], staging: Path, step: int, device: torch.d
     cause = f"{type(failure).__name__}: {failure}" if failure is not None else "on another rank"
     raise CheckpointError(
         f"cannot write the checkpoint of step {step} to {staging.parent} ({cause}); the "
-        f"previous checkpoint and {staging.parent / LATEST} are untouched. Fix: free space "
-        "there or pass another --save, then rerun to resume"
+        f"previous checkpoint and {staging.parent / LATEST} are untouched. Fix: "
+        f"{write_fix(failure)} or pass another --save, then rerun to resume"
     ) from failure

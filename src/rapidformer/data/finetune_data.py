@@ -115,6 +115,10 @@ def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     return dict(loaded)
 
 
+MAX_LINE_BYTES = 16 * 2**20
+"""The longest line a JSON Lines or CSV file may hold."""
+
+
 def _check_file(path: Path, split: str) -> None:
     """Name the file and line of what the datasets loader would report as an anonymous
     pyarrow error (a malformed JSON line) or a StopIteration (an empty file)."""
@@ -128,7 +132,17 @@ def _check_file(path: Path, split: str) -> None:
             "remove it from --data-dir"
         )
     with open(path, "rb") as stream:  # the loaders' own error names neither file nor line
-        for number, raw in enumerate(stream, 1):
+        number = 0
+        # Each line read up to the limit: an over-long one is refused by its length, before
+        # anything holds or parses it whole.
+        while raw := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(
+                    f"{path}, line {number}: longer than {MAX_LINE_BYTES // 2**20} MiB, which "
+                    "no sample needs (one row per line, and a row is cut to --seq-length "
+                    "tokens). Fix: split it into rows, or check that the file is the data"
+                )
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -53,6 +53,8 @@ def resume(
     try:
         saved = load_checkpoint(path, state)
     except CheckpointError as exc:
+        if "Fix:" in str(exc):  # the error knows its cause (a damaged file, another base)
+            raise
         raise CheckpointError(f"{exc}{_differences(path, config)}") from exc
     if main:
         log.info("resumed from %s at step %d", path, saved["step"])

@@ -245,6 +245,13 @@ def _render_split(
             "them out (counted in the log)"
         )
     dropped = set(empty)
+    if rendered and len(dropped) == len(rendered):
+        raise DataError(
+            f"all {len(rendered)} samples of the {split} split have no token to learn from once "
+            f"cut to --seq-length {seq_length}, and --drop-unsupervised dropped every one: "
+            "nothing is left to train on. Fix: a longer --seq-length, or check that the data "
+            "holds assistant turns (or completions)"
+        )
     rows_out = [
         {
             "input_ids": sample.input_ids,
