@@ -288,3 +288,26 @@ def test_samples_cut_to_nothing_are_refused_or_dropped_and_counted(tokenizer: An
     assert [row["input_ids"] for row in features.rows] == kept
     (note,) = features.extra["notes"]
     assert "; 1 cut to --seq-length 32; 1 dropped with nothing left to learn" in note
+
+
+def test_a_long_conversation_renders_in_linear_time_and_masks_as_its_cut_start(
+    tokenizer: Any,
+) -> None:
+    """4,000 turns render within 5 s: only the turns that start within --seq-length tokens are
+    rendered as prefixes (the rest is cut away), and the marks are those of the conversation's
+    start rendered alone."""
+    import time
+
+    turns = [
+        {"role": role, "content": f"turn {i} says a few words"}
+        for i, role in zip(range(4000), ["user", "assistant"] * 2000, strict=True)
+    ]
+    template = TEMPLATES["chatml"].replace(GENERATION, "").replace(END, "")
+    renderer = ChatRenderer(tokenizer, 256, template, "the test's template")
+    started = time.perf_counter()
+    long = renderer.render(Sample(turns=turns), 0, "train")
+    elapsed = time.perf_counter() - started
+    short = renderer.render(Sample(turns=turns[:60]), 0, "train")  # past 256 tokens too
+    assert long.truncated and short.truncated
+    assert (long.input_ids, long.supervised) == (short.input_ids, short.supervised)
+    assert any(long.supervised) and elapsed < 5.0, elapsed

@@ -78,9 +78,7 @@ class ChatRenderer:
                     "exist. Fix: pass --chat-template FILE (a Jinja template, as "
                     "tokenizer_config.json's chat_template)"
                 )
-            text, spans, marked = self._conversation(sample, row, split)
-            # The template writes the special tokens (a BOS among them) itself.
-            encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            encoded, spans, marked = self._conversation(sample, row, split)
         ids: list[int] = encoded["input_ids"]
         supervised = [self.train_on_inputs] * len(ids)
         for index in marked if marked is not None else covered(encoded["offset_mapping"], spans):
@@ -97,12 +95,18 @@ class ChatRenderer:
 
     def _conversation(
         self, sample: Sample, row: int, split: str
-    ) -> tuple[str, list[tuple[int, int]], list[int] | None]:
-        """The rendered conversation, and the assistant's characters (or, read from the
-        template's tags, directly its tokens)."""
+    ) -> tuple[Any, list[tuple[int, int]], list[int] | None]:
+        """The rendered conversation tokenized, and the assistant's characters (or, read from
+        the template's tags, directly its tokens). Only the turns that start within
+        --seq-length tokens are rendered as prefixes: a later one is cut away, and rendering
+        every prefix of a long conversation would cost the square of its turns."""
         assert sample.turns is not None
         turns = sample.turns
         whole = self._render(turns, row, split, tools=sample.tools)
+        # The template writes the special tokens (a BOS among them) itself.
+        encoded = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        cut = offsets[self.seq_length][0] if len(offsets) > self.seq_length else len(whole)
         spans = []
         for index in range(sample.supervised_from, len(turns)):
             if turns[index]["role"] != "assistant":
@@ -110,11 +114,13 @@ class ChatRenderer:
             before = self._render(
                 turns[:index], row, split, generation_prompt=True, tools=sample.tools
             )
+            if len(before) >= cut and whole.startswith(before):
+                break  # this turn, and every later one, starts past the cut
             through = self._render(turns[: index + 1], row, split, tools=sample.tools)
             if not (whole.startswith(through) and through.startswith(before)):
-                return whole, [], self._tagged_tokens(sample, whole, row, split)
+                return encoded, [], self._tagged_tokens(sample, whole, row, split)
             spans.append((len(before), len(through)))
-        return whole, spans, None
+        return encoded, spans, None
 
     def _tagged_tokens(self, sample: Sample, whole: str, row: int, split: str) -> list[int]:
         """The assistant's tokens as the template's ``{% generation %}`` tags mark them, for a
