@@ -235,3 +235,57 @@ def test_report_to_is_checked_before_anything_is_built(
         with pytest.raises(ConfigError, match=f"{flag}=.*no tracker of --report-to"):
             validate(RapidformerConfig.from_dict({**base, **setting}), 1)
     validate(RapidformerConfig.from_dict({**base, "run_name": "b", "report_to": "trackio"}), 1)
+
+
+def test_a_tracking_server_that_never_answers_costs_seconds_not_minutes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that takes connections and never answers (the worst case: a refused port is
+    said at once): the run starts within START_S + 2 s, the warning said first, and no row
+    waits for the server."""
+    import logging
+    import socket
+    import time
+
+    from rapidformer.trackers.setup import START_S, TrackerSetup, open_trackers
+    from rapidformer.trackers.tracker import TrackedRun
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts into its backlog, says nothing
+    port = listener.getsockname()[1]
+    run = TrackedRun(str(tmp_path), "run", None, mlflow_tracking_uri=f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rapidformer"):
+            trackers = open_trackers(TrackerSetup(("mlflow", "jsonl"), run))
+        elapsed = time.monotonic() - started
+    finally:
+        listener.close()
+    assert elapsed <= START_S + 2.0 <= 10.0, elapsed
+    assert "the mlflow tracker did not start within" in caplog.text
+    assert trackers.names == ["jsonl"]
+    trackers.write("train", {"step": 1, "loss": 1.0})
+    trackers.close()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_refused_tracking_server_is_said_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import socket
+    import time
+
+    from rapidformer.trackers.setup import TrackerSetup, open_trackers
+    from rapidformer.trackers.tracker import TrackedRun
+
+    with socket.socket() as probe:  # a port no one listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = TrackedRun(str(tmp_path), "run", None, mlflow_tracking_uri=f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rapidformer"):
+        trackers = open_trackers(TrackerSetup(("mlflow",), run))
+    assert time.monotonic() - started < 5.0
+    assert re.search(r"the mlflow tracker cannot start \(ConnectionError: http://127\.0\.0\.1:\d+ "
+                     r"takes no connection", caplog.text), caplog.text  # fmt: skip
+    assert trackers.names == []

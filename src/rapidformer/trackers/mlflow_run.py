@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from rapidformer.trackers.tracker import TrackedRun, flat_config, scalars
 
@@ -26,6 +28,19 @@ def tracking_uri(run: TrackedRun) -> str:
     return f"sqlite:///{(Path(run.save_dir) / DATABASE).resolve()}"
 
 
+def _probe(uri: str) -> None:
+    """A tracking server that does not take a connection within 3 s is said at once (MLflow
+    itself would retry for minutes)."""
+    parts = urlparse(uri)
+    if parts.scheme not in ("http", "https") or parts.hostname is None:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=3.0).close()
+    except OSError as error:
+        raise ConnectionError(f"{uri} takes no connection ({error})") from None
+
+
 class MlflowTracker:
     """One MLflow run; a resumed rapidformer run continues it."""
 
@@ -35,9 +50,17 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        if not run.verbose:  # "Creating initial MLflow database tables..." and the like
-            logging.getLogger("mlflow").setLevel(logging.WARNING)
+        if not run.verbose:
+            # Its own notes ("Creating initial MLflow database tables...") and the tracebacks
+            # of its retries: a failure reaches the run as one warning line (trackers/guard.py).
+            for name in ("mlflow", "alembic", "sqlalchemy"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
         uri = tracking_uri(run)
+        _probe(uri)
+        # MLflow's own HTTP retries wait minutes for a server that is gone; a run's tracker
+        # gives up sooner (the user's own settings win).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.where = uri
         self._client = MlflowClient(tracking_uri=uri)
         self.run_id: str | None = run.resume_ids.get(self.name)
