@@ -16,7 +16,15 @@ import pytest
 
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import main
-from tests.helpers.bad_inputs import CASES, WHITE_BOX, Case, Inputs, argv_of, build_inputs
+from tests.helpers.bad_inputs import (
+    CASES,
+    VICTIM_TEXT,
+    WHITE_BOX,
+    Case,
+    Inputs,
+    argv_of,
+    build_inputs,
+)
 from tests.helpers.trainers import DETERMINISTIC_SCRIPT, LAUNCHER_VARIABLES
 
 
@@ -92,17 +100,7 @@ def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
     workers it starts write to the same stderr), which spares a Python start per case."""
 
     def command(argv: list[str]) -> tuple[int, str]:
-        capfd.readouterr()
-        # As from a shell: no launcher's variables left by an earlier test, and none of the
-        # launcher's own (it sets OMP_NUM_THREADS for its workers) left for a later one.
-        with mock.patch.dict(os.environ):
-            for name in LAUNCHER_VARIABLES:
-                os.environ.pop(name, None)
-            try:
-                code = main(argv)
-            except SystemExit as exit:  # argparse's own errors are not config errors
-                code = exit.code if isinstance(exit.code, int) else 1
-        return code, capfd.readouterr().err
+        return _in_process(argv, capfd)
 
     config_cases = [
         case
@@ -118,6 +116,49 @@ def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
         # On two ranks the fix can differ (a batch size per data-parallel rank): the error
         # must be the configuration error naming the case's input.
         problems += _failures(case, code, error, save, (CONFIG_ERROR, case.message[0]))
+    assert not problems, "\n\n".join(problems)
+
+
+def _in_process(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """The command in this process: its exit code and what it wrote to stderr."""
+    capfd.readouterr()
+    # As from a shell: no launcher's variables left by an earlier test, and none of the
+    # launcher's own (it sets OMP_NUM_THREADS for its workers) left for a later one.
+    with mock.patch.dict(os.environ):
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        try:
+            code = main(argv)
+        except SystemExit as exit:  # argparse's own errors are not config errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    return code, capfd.readouterr().err
+
+
+FOUND_BY_THE_WORKERS = (
+    "save-lock-is-a-link",
+    "checkpoint-latest-not-text",
+    "checkpoint-latest-foreign",
+    "checkpoint-step-past-the-end",
+    "line-over-16-mib",
+    "chat-nothing-left-after-dropping",
+)
+"""Cases that are no configuration error (a file, a checkpoint, the data): the workers find
+them, and the job still says each once with exit 2."""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_what_the_workers_find_is_one_message_and_exit_2_on_two_ranks(
+    inputs: Inputs, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cases = [case for case in CASES if case.id in FOUND_BY_THE_WORKERS]
+    assert len(cases) == len(FOUND_BY_THE_WORKERS)
+    problems = []
+    for index, case in enumerate(cases):
+        save = tmp_path / f"save{index}"
+        code, error = _in_process(["--nproc-per-node", "2", *argv_of(case, inputs, save)], capfd)
+        problems += _failures(case, code, error, save)
+    assert inputs.victim.read_text() == VICTIM_TEXT
     assert not problems, "\n\n".join(problems)
 
 
