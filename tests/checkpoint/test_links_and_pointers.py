@@ -96,6 +96,10 @@ def test_no_file_a_run_writes_is_written_through_a_link(tmp_path: Path) -> None:
     (root / ".lock").symlink_to(victim)
     with pytest.raises(CheckpointError, match=r"\.lock is a symbolic link .*precious\.txt"):
         lock_save_directory(str(root), torch.device("cpu"))
+    (root / ".lock").unlink()
+    (root / "config.json").symlink_to(victim)  # where a fine-tuning run saves its model
+    with pytest.raises(CheckpointError, match=r"holds the symbolic link config\.json"):
+        lock_save_directory(str(root), torch.device("cpu"))
     (root / "metrics.jsonl").symlink_to(victim)
     with pytest.raises(CheckpointError, match=r"metrics\.jsonl is a symbolic link"):
         open_own(root / "metrics.jsonl", "a")

@@ -108,6 +108,7 @@ def _take(root: Path) -> SaveDirectoryLock:
         return SaveDirectoryLock(root, None)
     try:  # a held directory is said first: its holder, not the disk, is what to fix
         _refuse_full(root, fix)
+        _refuse_links(root)
     except CheckpointError:
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
@@ -128,6 +129,19 @@ def _take(root: Path) -> SaveDirectoryLock:
             f"{write_fix(error)}, or {fix}"
         ) from None
     return SaveDirectoryLock(root, handle)
+
+
+def _refuse_links(root: Path) -> None:
+    """The run writes its files at the top of ``--save`` (the final model, its tokenizer,
+    metrics, TensorBoard's directory): a link there would have it write elsewhere. An
+    ``iter_*`` link is no checkpoint of the directory (never resumed; pruned as a link)."""
+    for entry in sorted(root.iterdir()):
+        if entry.is_symlink() and not entry.name.startswith("iter_"):
+            raise CheckpointError(
+                f"--save {root} holds the symbolic link {entry.name} (to "
+                f"{os.readlink(entry)}): a run writes only its own files there, and would write "
+                "through it. Fix: remove the link, or give the run another --save"
+            )
 
 
 def _refuse_full(root: Path, fix: str) -> None:
