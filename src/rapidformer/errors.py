@@ -87,7 +87,7 @@ EXIT_CODES = {
     "success": 0,
     "unexpected error (a bug, or an exception raised by user code)": 1,
     "bad input: flags, config file, data, model, checkpoint or user-script hooks": 2,
-    "non-finite loss or gradients for --max-skipped-steps consecutive steps": 3,
+    "non-finite loss or gradients for --max-skipped-steps consecutive steps, or every step": 3,
     "a peer rank died or stalled past --distributed-timeout-minutes": 4,
     "preempted by a signal: a checkpoint was written, rerun to resume": 75,
     "interrupted by a second Ctrl-C": 130,
