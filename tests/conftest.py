@@ -1,9 +1,21 @@
-"""Fixtures and hooks for every test (helpers the tests share live in tests/helpers/)."""
+"""Fixtures and hooks for every test (helpers the tests share live in tests/helpers/): one
+intra-op thread per test, and the suite's time budget (:mod:`tests.helpers.budget`)."""
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+
+from tests.helpers import budget
+
+MEASURED = budget.measured()
+_seconds: defaultdict[str, float] = defaultdict(float)
 
 
 @pytest.fixture(autouse=True)
@@ -11,3 +23,60 @@ def _deterministic_threads() -> None:
     # Two cores: one intra-op thread keeps reductions in a fixed order and leaves room for the
     # second rank of distributed tests.
     torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        metavar="FILE",
+        help="write each test's seconds (setup, call and teardown) to FILE as JSON "
+        "(make durations writes tests/durations.json)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tier is what the durations file measured at budget.SLOW_S or more."""
+    for item in items:
+        if budget.is_slow(item.nodeid, MEASURED):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[Any]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    _seconds[item.nodeid] += report.duration
+    if report.when != "call" or not report.passed:
+        return
+    problem = _over_budget(item, report.duration)
+    if problem:
+        report.outcome = "failed"
+        report.longrepr = problem
+
+
+def _over_budget(item: pytest.Item, seconds: float) -> str:
+    """Why a passing test fails the budget ("" when it keeps it). The fast tier's guard
+    gives a busy machine budget.MARGIN of slack over the slow tier's threshold."""
+    if item.nodeid not in budget.LONG and seconds > budget.LIMIT_S:
+        return (
+            f"{item.nodeid} took {seconds:.0f} s, past the {budget.LIMIT_S:.0f} s a test may "
+            "take: share its fixtures or launches with its neighbours, or list it in "
+            "tests/helpers/budget.py's LONG with the reason"
+        )
+    fast_tier = item.config.getoption("markexpr") == "not slow"
+    if fast_tier and seconds > budget.SLOW_S * budget.MARGIN:
+        return (
+            f"{item.nodeid} took {seconds:.0f} s in the fast tier: it is slow (at least "
+            f"{budget.SLOW_S:.0f} s). Fix: make durations (tests/durations.json), which "
+            "moves it to the slow tier"
+        )
+    return ""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    target = session.config.getoption("--write-durations")
+    if target and _seconds:
+        rounded = {nodeid: round(seconds, 2) for nodeid, seconds in sorted(_seconds.items())}
+        Path(target).write_text(json.dumps(rounded, indent=0) + "\n")

@@ -11,71 +11,15 @@ import pytest
 
 from rapidformer.data.chat import Sample, samples
 from rapidformer.data.chat_masks import ChatRenderer, covered
+from rapidformer.data.named_templates import template_names, template_path
 from rapidformer.errors import DataError
 from rapidformer.testing.families import tiny_model
 
 GENERATION, END = "{% generation %}", "{% endgeneration %}"
 
-CALLS = (
-    "{%- for call in m.tool_calls or [] -%}"
-    "{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' -}}{%- endfor -%}"
-)
-TEMPLATES = {
-    "chatml": (
-        "{%- for m in messages -%}"
-        "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
-        "{% generation %}{{- m.content or '' -}}" + CALLS + "{{- '<|im_end|>\\n' -}}"
-        "{% endgeneration %}"
-        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-        "{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    ),
-    "llama3": (
-        "{{- bos_token -}}{%- for m in messages -%}"
-        "{%- set role = 'ipython' if m.role == 'tool' else m.role -%}"
-        "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' -}}"
-        "{%- if m.role == 'assistant' -%}{% generation %}{{- (m.content or '') | trim -}}"
-        + CALLS
-        + "{{- '<|eot_id|>' -}}{% endgeneration %}"
-        "{%- else -%}{{- m.content | trim + '<|eot_id|>' -}}{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}"
-        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-    ),
-    "mistral": (
-        "{{- bos_token -}}{%- for m in messages -%}"
-        "{%- if m.role == 'assistant' -%}{% generation %}{{- ' ' + (m.content or '') -}}"
-        + CALLS
-        + "{{- eos_token -}}{% endgeneration %}"
-        "{%- elif m.role == 'system' -%}{{- '[SYSTEM_PROMPT]' + m.content + '[/SYSTEM_PROMPT]' -}}"
-        "{%- elif m.role == 'tool' -%}{{- '[TOOL_RESULTS]' + m.content + '[/TOOL_RESULTS]' -}}"
-        "{%- else -%}{{- '[INST] ' + m.content + ' [/INST]' -}}{%- endif -%}{%- endfor -%}"
-    ),
-    "gemma": (
-        "{{- bos_token -}}{%- for m in messages -%}"
-        "{%- set role = 'model' if m.role == 'assistant' else m.role -%}"
-        "{{- '<start_of_turn>' + role + '\\n' -}}"
-        "{%- if m.role == 'assistant' -%}{% generation %}{{- (m.content or '') | trim -}}"
-        + CALLS
-        + "{{- '<end_of_turn>\\n' -}}{% endgeneration %}"
-        "{%- else -%}{{- m.content | trim + '<end_of_turn>\\n' -}}{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
-    ),
-    "qwen": (
-        "{%- for m in messages -%}"
-        "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
-        "{% generation %}{{- m.content or '' -}}"
-        "{%- for call in m.tool_calls or [] -%}"
-        "{{- '\\n<tool_call>\\n' + (call.function | tojson) + '\\n</tool_call>' -}}"
-        "{%- endfor -%}{{- '<|im_end|>\\n' -}}{% endgeneration %}"
-        "{%- elif m.role == 'tool' -%}"
-        "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response>"
-        "<|im_end|>\\n' -}}"
-        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-        "{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    ),
-}
-"""Each template as a tagged one; the same without its tags is what rendering prefixes reads."""
+TEMPLATES = {name: template_path(name).read_text() for name in template_names()}  # type: ignore[union-attr]
+"""The templates rapidformer ships, tagged; the same without their tags is what rendering
+prefixes reads."""
 
 THINKING = (
     "{%- set last = namespace(user=0) -%}{%- for m in messages -%}"

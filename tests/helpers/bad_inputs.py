@@ -858,7 +858,7 @@ CASES = [
     Case(
         "chat-template-file-missing",
         _chat("nofile", [CHAT] * 4, "--chat-template", "/nonexistent/chat.jinja"),
-        ("--chat-template", "no such file"),
+        ("--chat-template", "is no file and no template rapidformer ships", "chatml, gemma"),
     ),
     Case(
         "packing-on-another-task",

@@ -190,9 +190,9 @@ class Finetuner(Trainer):
         path = self.config.model.pretrained_model_name_or_path
         assert path is not None
         tokenizer = load_tokenizer(path, self.config.model.trust_remote_code)
-        template = self.config.data.chat_template
+        template = options_of(self.config).chat_template
         if template is not None:  # saved with the model: inference renders as training did
-            tokenizer.chat_template = Path(template).read_text()
+            tokenizer.chat_template = template
         return tokenizer
 
     def build_model(self) -> nn.Module:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.chat import data_format, samples
 from rapidformer.data.chat_masks import ChatRenderer
+from rapidformer.data.named_templates import template_names, template_path
 from rapidformer.data.packing import pack_rows, packing_note
 from rapidformer.errors import DataError, Violation
 from rapidformer.labels import IGNORE_INDEX
@@ -78,13 +79,13 @@ def chat_violations(config: RapidformerConfig, task: str | None) -> list[Violati
             )
         )
     template = data.chat_template
-    if template is not None and not Path(template).is_file():
+    if template is not None and template_path(template) is None:
         violations.append(
             Violation(
                 "--chat-template",
                 template,
-                "no such file",
-                "pass a file holding a Jinja chat template",
+                "is no file and no template rapidformer ships",
+                f"pass a Jinja chat template file, or one of {', '.join(template_names())}",
             )
         )
     return violations
@@ -101,10 +102,10 @@ def packed(features: Features, seq_length: int) -> Features:
 def options_of(config: RapidformerConfig) -> ChatOptions:
     """The chat flags of ``config``, the template file read."""
     data = config.data
-    path = data.chat_template
+    path = template_path(data.chat_template) if data.chat_template is not None else None
     return ChatOptions(
-        chat_template=Path(path).read_text() if path is not None else None,
-        chat_template_file=path,
+        chat_template=path.read_text() if path is not None else None,
+        chat_template_file=data.chat_template,
         train_on_inputs=data.train_on_inputs,
         drop_unsupervised=data.drop_unsupervised,
     )
