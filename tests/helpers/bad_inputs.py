@@ -760,6 +760,13 @@ CASES = [
         ("--pretrained-model-name-or-path", "holds a NaN or an infinity in", "query.weight"),
     ),
     Case(
+        "qlora-quantizes-nothing",  # the tiny BERT's weights are 32 x 32: no NF4 block fits
+        lambda i: _finetune(
+            i, i.finetune, "--lora-rank", "4", "--quantize-base", "nf4", "--precision", "bf16"
+        ),  # fmt: skip
+        ("--quantize-base", "none of the", "can be stored in NF4", "multiple of 16384"),
+    ),
+    Case(
         "adapter-rank-huge",
         _adapter("huge", {"r": 1_000_000_000}),
         ("--lora-adapter", "does not fit this model", "(1000000000, 32) for this model"),

@@ -39,6 +39,7 @@ from rapidformer.accel.lora.peft_format import (
 from rapidformer.accel.lora.quantize import (
     NF4_BLOCK,
     is_nf4,
+    nf4_fits,
     quantize_base,
     store_frozen,
 )
@@ -60,6 +61,7 @@ from rapidformer.accel.lora.targets import (
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.errors import ConfigError
+from rapidformer.log import log
 from rapidformer.state import FrozenBase, PlanStep, TrainState
 
 
@@ -200,7 +202,9 @@ def _store_base(model: nn.Module, config: RapidformerConfig, mesh: ParallelMesh)
             store_frozen(model, autocast, linear_only=True)
         return ""
     sharded = config.memory.sharding in ("zero2", "zero3")
-    quantised, kept = quantize_base(adapted_layers(model), mesh.dims.dp if sharded else 1)
+    shards = mesh.dims.dp if sharded else 1
+    _refuse_nf4_of_nothing(adapted_layers(model), shards)
+    quantised, kept = quantize_base(adapted_layers(model), shards)
     store_frozen(model, torch.bfloat16, linear_only=False)
     # DDP broadcasts rank 0's parameters when it wraps the model, through a flat buffer of
     # each tensor's reported dtype and size: an NF4 weight (uint8 codes behind a bf16 face)
@@ -214,6 +218,28 @@ def _store_base(model: nn.Module, config: RapidformerConfig, mesh: ParallelMesh)
         f"{f' x {mesh.dims.dp} ranks' if sharded else ''} ({listed})"
         if kept else ""
     )  # fmt: skip
+
+
+def _refuse_nf4_of_nothing(layers: dict[str, nn.Module], shards: int) -> None:
+    """QLoRA that would store no weight in NF4 is refused (it would run as plain LoRA under
+    its name); one that stores only some says how many stay in bf16."""
+    kept = [path for path, layer in layers.items() if not nf4_fits(layer, shards)]
+    block = f"{NF4_BLOCK}" + (f" x {shards} ranks" if shards > 1 else "")
+    if kept and len(kept) == len(layers):
+        sizes = sorted({tuple(base_weight(layer).shape) for layer in layers.values()})
+        raise ConfigError.single(
+            "--quantize-base", "nf4",
+            f"none of the {len(layers)} adapted layers' weights can be stored in NF4: a weight "
+            f"needs a multiple of {block} values, and these are "
+            f"{', '.join('x'.join(map(str, s)) for s in sizes[:4])} (GPT-2's Conv1D never)",
+            "drop --quantize-base (--precision bf16 stores the frozen base in bf16), or adapt "
+            f"layers whose weights hold a multiple of {block} values (e.g. 128 x 128)",
+        )  # fmt: skip
+    if kept:
+        log.warning(
+            "--quantize-base nf4: %d of the %d adapted layers keep their weights in bf16 "
+            "(their size is no multiple of %s values)", len(kept), len(layers), block,
+        )  # fmt: skip
 
 
 def _blocks_see_gradient_inputs(model: nn.Module) -> None:

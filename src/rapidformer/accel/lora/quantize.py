@@ -27,6 +27,13 @@ NF4_BLOCK = 64 * 256
 """Values per double-quantisation block: a weight's size must be a multiple of it."""
 
 
+def nf4_fits(layer: nn.Module, shards: int = 1) -> bool:
+    """Whether ``layer``'s weight can be stored in NF4 split over ``shards`` ranks."""
+    weight = base_weight(layer)
+    uneven = weight.numel() % (NF4_BLOCK * shards) or weight.shape[0] % shards
+    return not uneven and not is_conv1d(layer)
+
+
 def quantize_base(layers: dict[str, nn.Module], shards: int = 1) -> tuple[list[str], list[str]]:
     """Store each layer's weight in NF4 where its shape allows, in bf16 where not; returns
     (quantised paths, paths kept in bf16). ``shards``: the ranks FSDP2 will split each weight
@@ -38,8 +45,7 @@ def quantize_base(layers: dict[str, nn.Module], shards: int = 1) -> tuple[list[s
     for path, layer in layers.items():
         weight = base_weight(layer).detach()
         with torch.no_grad():
-            uneven = weight.numel() % (NF4_BLOCK * shards) or weight.shape[0] % shards
-            if uneven or is_conv1d(layer):
+            if not nf4_fits(layer, shards):
                 layer.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
                 kept.append(path)
                 continue
