@@ -760,10 +760,30 @@ CASES = [
         ("--pretrained-model-name-or-path", "holds a NaN or an infinity in", "query.weight"),
     ),
     Case(
+        "model-path-mistyped",
+        lambda i: _finetune(
+            i,
+            i.finetune,
+            "--pretrained-model-name-or-path",
+            str(_model_copy(i).with_name("someone_elses_modle")),
+        ),
+        ("no such model directory", "did you mean", "someone_elses_model"),
+    ),
+    Case(
+        "model-is-an-adapter",
+        lambda i: _finetune(
+            i,
+            i.finetune,
+            "--pretrained-model-name-or-path",
+            _adapter("as_model", {"base_model_name_or_path": "my/base"})(i)[-1],
+        ),
+        ("holds an adapter, not a model (its base: my/base)", "as --lora-adapter"),
+    ),
+    Case(
         "qlora-quantizes-nothing",  # the tiny BERT's weights are 32 x 32: no NF4 block fits
         lambda i: _finetune(
             i, i.finetune, "--lora-rank", "4", "--quantize-base", "nf4", "--precision", "bf16"
-        ),  # fmt: skip
+        ),
         ("--quantize-base", "none of the", "can be stored in NF4", "multiple of 16384"),
     ),
     Case(

@@ -133,3 +133,19 @@ def test_training_runs_without_the_generation_cache_and_saving_keeps_the_models_
     save_model(model, load_tokenizer(str(gpt2)), tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
     assert model.config.use_cache is False  # still training
+
+
+def test_a_mistyped_local_path_is_said_at_once_with_its_closest_sibling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``models/tiny-lama`` where ``models/`` exists is a path, not a hub name: refused at once
+    (no hub call), naming the directory it likely meant."""
+    from rapidformer.models import hf
+
+    (tmp_path / "models" / "tiny-llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hf, "hub_unreachable", lambda: pytest.fail("the hub was asked"))
+    with pytest.raises(
+        ConfigError, match=r"no such model directory.*did you mean models/tiny-llama"
+    ):
+        hf.load_tokenizer("models/tiny-lama")

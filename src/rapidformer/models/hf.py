@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import importlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +62,12 @@ def _check_local(name_or_path: str) -> bool:
     """True for a local model directory (checked to hold a model), False for a hub name."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            raise ConfigError.single(
+                PRETRAINED_FLAG, name_or_path,
+                f"holds an adapter, not a model (its base: {_adapter_base(path)})",
+                f"pass the base as {PRETRAINED_FLAG} and this directory as --lora-adapter",
+            )  # fmt: skip
         if not (path / "config.json").is_file():
             files = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
             raise ConfigError.single(
@@ -70,11 +78,32 @@ def _check_local(name_or_path: str) -> bool:
                 "tokenizer files)",
             )
         return True
-    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+    # A hub name is "org/model"; a name whose folder exists here, or that starts as paths do,
+    # is a path: a missing one is said at once, never looked up on the hub.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if path.exists() or looks_local or (len(path.parts) > 1 and path.parent.is_dir()):
         raise ConfigError.single(
-            PRETRAINED_FLAG, name_or_path, "no such model directory", "check the path"
+            PRETRAINED_FLAG, name_or_path, "no such model directory", _closest(path)
         )
     return False
+
+
+def _closest(path: Path) -> str:
+    """A fix naming the directory beside ``path`` whose name is closest to it, if any."""
+    parent = path.parent if path.parent != Path() else Path(".")
+    if not parent.is_dir():
+        return f"check the path ({parent} does not exist either)"
+    siblings = [p.name for p in parent.iterdir() if p.is_dir()]
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.5)
+    return f"did you mean {parent / close[0]}?" if close else f"check the path (in {parent})"
+
+
+def _adapter_base(path: Path) -> str:
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return str(base) if base else "not recorded"
 
 
 def _probe_hub(local: bool) -> None:
