@@ -3,8 +3,8 @@
 The ``rapidformer`` command, a user's script calling ``Trainer.fit()`` and every rank under
 torchrun end the same way: one line naming the input and the fix (no traceback unless
 ``--debug`` or ``RAPIDFORMER_DEBUG=1``) and the exit code of ``rapidformer.errors.EXIT_CODES``.
-A configuration error is the same on every rank of a machine, so only the machine's first rank
-prints it; a message from any rank but 0 names its rank.
+A configuration or data error is the same on every rank of a machine, so only the machine's
+first rank prints it; a message from any rank but 0 names its rank.
 
 The command reports what it catches (:func:`report`). A script has no such frame around its
 ``fit()``: :func:`report_uncaught` installs a ``sys.excepthook`` (once, in a script, not in an
@@ -28,7 +28,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from rapidformer.errors import ConfigError, Preempted, RapidformerError, exit_code_of
+from rapidformer.errors import (
+    ConfigError,
+    DataError,
+    Preempted,
+    RapidformerError,
+    exit_code_of,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -53,14 +59,14 @@ def report(exc: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(exc)
     rank, local_rank = _ranks()
-    if isinstance(exc, ConfigError) and local_rank != 0:
+    if isinstance(exc, ConfigError | DataError) and local_rank != 0:
         # The ranks of one machine find the same one (the same flags, files and devices):
         # its first rank says it. Another machine's first rank still does, so a file
         # missing on one machine only is never silent.
         _wait_until_said()
         return exit_code_of(exc)
     code = _say(exc, rank, debug)
-    if isinstance(exc, ConfigError) and local_rank == 0:
+    if isinstance(exc, ConfigError | DataError) and local_rank == 0:
         _tell_said()
     return code
 

@@ -843,9 +843,18 @@ CASES = [
         ("row 1", "unknown role 'narrator'"),
     ),
     Case(
+        "chat-malformed-line",  # the Fix shows a row of the file's own format
+        _chat("badline", [CHAT, '{"messages": [{"role": "user"', CHAT]),
+        (
+            "train.jsonl, line 2",
+            "not valid JSON",
+            'Fix: make every line one JSON object, like its others: {"messages": [{"role": "user"',
+        ),
+    ),
+    Case(
         "chat-no-assistant-turn",
         _chat("noassistant", [CHAT, _turns(("user", "hello"), ("system", "be brief"))]),
-        ("row 1", "has no assistant turn"),
+        ("train.jsonl, line 2 (the train split's row 1)", "has no assistant turn", "Fix:"),
     ),
     Case(
         "chat-empty-content",

@@ -123,4 +123,8 @@ def _turns(turns: Any, row: int, split: str, column: str) -> list[dict[str, Any]
 
 
 def _refuse(split: str, row: int, what: str) -> NoReturn:
-    raise DataError(f"the {split} split's row {row} {what}")
+    raise DataError(
+        f"the {split} split's row {row} {what}. Fix: correct that row: a conversation is a "
+        'list of {"role": ..., "content": ...} turns (system, user, assistant, tool) with at '
+        "least one assistant turn to learn from"
+    )

@@ -71,6 +71,23 @@ def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     if (folder / "dataset_dict.json").is_file():
         loaded = datasets.load_from_disk(str(folder))
         return _canonical(dict(loaded), str(folder))
+    by_split = _files_by_split(root, data_name)
+    builders = {FORMATS[Path(p).suffix] for paths in by_split.values() for p in paths}
+    if len(builders) > 1:
+        raise ConfigError.single(
+            "--data-dir", str(folder), "mixes file formats", "keep one format per dataset"
+        )
+    for split, paths in by_split.items():
+        for file in paths:
+            _check_file(Path(file), split)
+    loaded = datasets.load_dataset(builders.pop(), data_files=by_split)
+    return dict(loaded)
+
+
+def _files_by_split(root: Path, data_name: str | None) -> dict[str, list[str]]:
+    """The data files of ``--data-dir`` (and ``--data-name``) by the split each holds, in
+    the order the loader reads them."""
+    folder = root / data_name if data_name and (root / data_name).is_dir() else root
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in FORMATS)
     if data_name and folder == root:
         stem = data_name.rsplit(".", 1)[0] if Path(data_name).suffix in FORMATS else data_name
@@ -103,16 +120,49 @@ def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
                 "name the files e.g. train.jsonl and validation.jsonl",
             )
         by_split.setdefault(split, []).append(str(path))
-    builders = {FORMATS[Path(p).suffix] for paths in by_split.values() for p in paths}
-    if len(builders) > 1:
-        raise ConfigError.single(
-            "--data-dir", str(folder), "mixes file formats", "keep one format per dataset"
-        )
-    for split, paths in by_split.items():
-        for file in paths:
-            _check_file(Path(file), split)
-    loaded = datasets.load_dataset(builders.pop(), data_files=by_split)
-    return dict(loaded)
+    return by_split
+
+
+ROW = re.compile(r"the (\w+) split's (rows?) (\d+(?:, \d+)*)")
+"""How a data error names the rows it is about: "the train split's row 100"."""
+
+
+def located(error: DataError, data_dir: str, data_name: str | None) -> DataError:
+    """``error`` with each row it names given as the file and line it came from (counted from
+    1, the row beside), where the split came from local data files."""
+    root = Path(data_dir)
+    if not root.is_dir() or (root / "dataset_dict.json").is_file():
+        return error
+    try:
+        by_split = _files_by_split(root, data_name)
+    except ConfigError:
+        return error
+
+    def place(match: re.Match[str]) -> str:
+        split, word, numbers = match.group(1), match.group(2), match.group(3)
+        rows = [int(n) for n in numbers.replace(",", " ").split()]
+        places = [_line_of(by_split.get(split, []), row) for row in rows]
+        if any(p is None for p in places):
+            return match.group(0)
+        return f"{'; '.join(str(p) for p in places)} (the {split} split's {word} {numbers})"
+
+    return DataError(ROW.sub(place, str(error)))
+
+
+def _line_of(files: list[str], row: int) -> str | None:
+    """``FILE, line N`` of the split's row ``row`` (0-based over its files in order)."""
+    for name in files:
+        path = Path(name)
+        if path.suffix not in (".jsonl", ".csv"):
+            return None  # a JSON array or parquet: no line per row
+        with open(path, "rb") as stream:
+            lines = [n for n, line in enumerate(stream, 1) if line.strip()]
+        if path.suffix == ".csv":
+            lines = lines[1:]  # the header
+        if row < len(lines):
+            return f"{path}, line {lines[row]}"
+        row -= len(lines)
+    return None
 
 
 MAX_LINE_BYTES = 16 * 2**20
@@ -163,9 +213,31 @@ def _check_file(path: Path, split: str) -> None:
             except json.JSONDecodeError as exc:
                 raise DataError(
                     f"{path}, line {number}, column {exc.colno}: not valid JSON ({exc.msg}). "
-                    "Fix: make every line one JSON object, e.g. "
-                    '{"text": "...", "label": "..."}'
+                    f"Fix: make every line one JSON object, like its others: {_example(path)}"
                 ) from exc
+
+
+EXAMPLES = {
+    "messages": '{"messages": [{"role": "user", "content": "..."}, '
+    '{"role": "assistant", "content": "..."}]}',
+    "prompt": '{"prompt": "...", "completion": "..."}',
+    "text": '{"text": "...", "label": "..."}',
+}
+"""A row of each kind of data, for a Fix in the format of the file at hand."""
+
+
+def _example(path: Path) -> str:
+    """A row in the format of ``path``'s readable rows (chat, prompt and completion, or text)."""
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                kind = next((key for key in ("messages", "prompt") if key in row), "text")
+                return EXAMPLES[kind]
+    return EXAMPLES["text"]
 
 
 def _check_csv(path: Path) -> None:

@@ -39,10 +39,10 @@ from torch import nn
 from rapidformer.accel.liger import family_violation
 from rapidformer.checkpoint import gathered_model_state
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.data.finetune_data import load_splits, training_split
+from rapidformer.data.finetune_data import load_splits, located, training_split
 from rapidformer.data.packing import PackedCollate
 from rapidformer.distributed import process_group
-from rapidformer.errors import Violation
+from rapidformer.errors import DataError, Violation
 from rapidformer.log import log
 from rapidformer.models.hf import (
     PRETRAINED_FLAG,
@@ -240,11 +240,14 @@ class Finetuner(Trainer):
         splits = load_splits(data.data_dir, data.data_name)
         training_split(splits, data.data_dir)
         # The training split first: it defines the label set the others are checked against.
-        prepared = {
-            name: self.task.prepare(splits[name], name)
-            for name in ("train", "validation", "test")
-            if name in splits
-        }
+        try:
+            prepared = {
+                name: self.task.prepare(splits[name], name)
+                for name in ("train", "validation", "test")
+                if name in splits
+            }
+        except DataError as error:  # named by the file and line the row came from
+            raise located(error, data.data_dir, data.data_name) from None
         collate: Any = self.task.collate
         if data.packing:
             prepared = {name: packed(f, self.seq_length) for name, f in prepared.items()}
