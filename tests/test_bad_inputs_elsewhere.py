@@ -14,8 +14,9 @@ from unittest import mock
 
 import pytest
 
+from rapidformer import Finetuner, Pretrainer, fatal
 from rapidformer.checkpoint import find_checkpoint
-from rapidformer.cli import main
+from rapidformer.cli import load_trainer_class, main
 from tests.helpers.bad_inputs import (
     CASES,
     VICTIM_TEXT,
@@ -65,13 +66,58 @@ def _each(jobs: list[Callable[[], list[str]]]) -> list[str]:
         return [problem for problems in pool.map(lambda job: job(), jobs) for problem in problems]
 
 
-@pytest.mark.slow
+def _as_a_script(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """What tests/scripts/fit_driver.py does, in this process: the case's Trainer built and
+    fitted with no error handling of its own; what escapes is handed to rapidformer.fatal's
+    hook as Python hands it to ``sys.excepthook`` (exit code, stderr). The real process
+    boundary is crossed by the test below for one case of each kind."""
+    capfd.readouterr()
+    args = list(argv)
+    script = args[args.index("--user-script") + 1] if "--user-script" in args else None
+    task = args[args.index("--task") + 1] if "--task" in args else None
+    with mock.patch.dict(os.environ):
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        try:
+            if script is not None:
+                template = load_trainer_class(script)
+            else:
+                template = Pretrainer if task == "pretraining" else Finetuner
+            template(argv=args).fit()
+            code: int | None = 0
+        except SystemExit as exit:  # argparse's own, as in a script
+            code = exit.code if isinstance(exit.code, int) else 1
+        except BaseException as escaped:  # noqa: BLE001 (what a script lets escape)
+            code = fatal.handle_uncaught(escaped)
+            if code is None:  # the script's own error: Python prints its traceback, exits 1
+                sys.stderr.write("Traceback (most recent call last): ...\n")
+                code = 1
+    return code, capfd.readouterr().err
+
+
 def test_every_bad_input_says_the_same_through_a_scripts_fit(
-    inputs: Inputs, tmp_path: Path
+    inputs: Inputs, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """A user's script whose fit() (or the flags, the script's Trainer) fails: the same one
     message and exit code as the command, no traceback (rapidformer.fatal's hook)."""
+    cases = [c for c in CASES if c.id not in COMMAND_ONLY and c.entry == "rapidformer"]
+    problems = []
+    for index, case in enumerate(cases):
+        save = tmp_path / f"save{index}"
+        code, error = _as_a_script(argv_of(case, inputs, save), capfd)
+        problems += _failures(case, code, error, save)
+    assert not problems, "\n\n".join(problems)
 
+
+THROUGH_A_PROCESS = ("no-lr", "malformed-jsonl", "checkpoint-other-seed", "hook-raises")
+"""One case of each kind (flags, data, a checkpoint, a user script's own error) through a real
+script's process: the hook is installed there, and the exit code is the process's."""
+
+
+@pytest.mark.distributed
+def test_a_real_scripts_process_ends_with_the_commands_message_and_code(
+    inputs: Inputs, tmp_path: Path
+) -> None:
     def job(index: int, case: Case) -> Callable[[], list[str]]:
         def run() -> list[str]:
             save = tmp_path / f"save{index}"
@@ -81,7 +127,8 @@ def test_every_bad_input_says_the_same_through_a_scripts_fit(
 
         return run
 
-    cases = [c for c in CASES if c.id not in COMMAND_ONLY and c.entry == "rapidformer"]
+    cases = [case for case in CASES if case.id in THROUGH_A_PROCESS]
+    assert len(cases) == len(THROUGH_A_PROCESS)
     problems = _each([job(i, case) for i, case in enumerate(cases)])
     assert not problems, "\n\n".join(problems)
 

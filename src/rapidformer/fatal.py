@@ -186,10 +186,10 @@ def report_uncaught() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not isinstance(exc, Exception | KeyboardInterrupt) or not _ends_a_run(exc):
+        code = handle_uncaught(exc)
+        if code is None:
             previous(kind, exc, tb)  # the script's own error, not one of a rapidformer run
             return
-        code = report(exc, debug=debugging())
         # Python would exit 1 after this hook: leave with the command's code instead, once
         # the exit handlers ran (process groups, logs, workers) as a normal exit runs them.
         # (atexit's runner is private but stable since Python 3.0; os._exit does not wait
@@ -201,6 +201,15 @@ def report_uncaught() -> None:
         os._exit(code)
 
     sys.excepthook = hook
+
+
+def handle_uncaught(exc: BaseException) -> int | None:
+    """What the hook does with an error nobody caught: the script's own error gets None (it
+    keeps Python's traceback); one that ended a rapidformer run is reported as the command
+    reports it, and its exit code returned."""
+    if not isinstance(exc, Exception | KeyboardInterrupt) or not _ends_a_run(exc):
+        return None
+    return report(exc, debug=debugging())
 
 
 def _ends_a_run(exc: BaseException) -> bool:

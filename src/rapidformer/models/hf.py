@@ -94,7 +94,7 @@ def _closest(path: Path) -> str:
     if not parent.is_dir():
         return f"check the path ({parent} does not exist either)"
     siblings = [p.name for p in parent.iterdir() if p.is_dir()]
-    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
     return f"did you mean {parent / close[0]}?" if close else f"check the path (in {parent})"
 
 
