@@ -26,11 +26,12 @@ class TrackioTracker:
         with self._quiet(run.verbose):
             import trackio
 
-            self._trackio = trackio
             self.project = run.project or "rapidformer"
             resumed = run.resume_ids.get(self.name)
             self.run_id: str | None = resumed or run.name
-            trackio.init(
+            # The run itself, not trackio.log: Trackio keeps its current run in a context
+            # variable, which the thread that started it holds and the training loop does not.
+            self._run = trackio.init(
                 project=self.project,
                 name=self.run_id,
                 config={**run.config, "run_plan": "\n".join(run.plan)},
@@ -44,11 +45,11 @@ class TrackioTracker:
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         with self._quiet(self.verbose):
-            self._trackio.log(scalars(kind, record), step=int(record["step"]))
+            self._run.log(scalars(kind, record), step=int(record["step"]))
 
     def close(self) -> None:
         with self._quiet(self.verbose):
-            self._trackio.finish()
+            self._run.finish()
 
     @staticmethod
     def _quiet(verbose: bool) -> contextlib.AbstractContextManager[Any]:
