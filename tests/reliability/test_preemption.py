@@ -18,6 +18,8 @@ from rapidformer import parse_args
 from rapidformer.checkpoint import find_checkpoint
 from rapidformer.cli import load_trainer_class
 from rapidformer.errors import NonFiniteError, Preempted
+from rapidformer.reliability import rising
+from rapidformer.reliability.rising import RisingLoss
 from rapidformer.reliability.spikes import SpikeDetector
 from tests.helpers.trainers import ROOT, TINY_FLAGS, read_losses
 
@@ -134,3 +136,28 @@ def test_a_loss_spike_is_detected_after_the_warmup_and_not_before() -> None:
     ratio = detector.spike(80.0)  # recent mean (50 + 5 + 4 + 10 x 2) / 13 = 6.08
     assert ratio is not None and abs(ratio - 80.0 / (79.0 / 13)) < 1e-9
     assert detector.spike(float("nan")) is None  # the guard's business, not a spike
+
+
+def test_a_loss_that_keeps_rising_after_warmup_is_said_once_naming_the_lr() -> None:
+    watch = RisingLoss(warmup_steps=5, lr=0.01)
+    assert all(watch.rising(step, 100.0 + step) is None for step in range(1, 6))  # warmup
+    noisy = [2.0 + 0.3 * ((step * 7) % 5) for step in range(6, 66)]  # no trend: never
+    assert all(watch.rising(step, loss) is None for step, loss in enumerate(noisy, 6))
+    said = [watch.rising(step, 2.0 * 1.01**step) for step in range(66, 120)]
+    fired = [i for i, s in enumerate(said) if s is not None]
+    assert len(fired) == 1 and watch.warned  # once, after three rising block means
+    lowest, last = said[fired[0]]  # type: ignore[misc]
+    assert lowest < last and last >= (1 + rising.MARGIN) * lowest
+
+
+def test_a_run_whose_loss_keeps_rising_warns_once_and_a_falling_one_never(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ("--train-iters", "60", "--lr-warmup-iters", "5", "--lr", "0.003")
+    monkeypatch.setenv("FAULT_RISE", "6-60:0")
+    _fit(None, *flags)
+    said = [line for line in capsys.readouterr().err.splitlines() if "has risen" in line]
+    assert len(said) == 1 and "--lr (this run: 0.003; try 0.0003)" in said[0], said
+    monkeypatch.delenv("FAULT_RISE")
+    _fit(None, *flags)
+    assert "has risen" not in capsys.readouterr().err

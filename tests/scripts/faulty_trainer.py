@@ -9,6 +9,8 @@ rank starts that step:
 * ``FAULT_SIGNAL_LAUNCHER=STEP:RANK:NAME``: the rank sends its launcher (the process that
   started it: ``rapidformer --nproc-per-node``'s agent) the signal NAME;
 * ``FAULT_NAN=STEPS:RANK``: the rank's loss is NaN in the steps listed (``3`` or ``3-12``);
+* ``FAULT_RISE=STEPS:RANK``: the rank's loss is scaled by 1.05 ** step in the steps listed
+  (a loss that keeps rising, as a learning rate too high leaves it);
 * ``FAULT_NAN_PARAMETERS=STEP:RANK``: the rank's first parameter turns NaN (as a corrupted
   update would leave it);
 * ``FAULT_KILL=STEP:RANK``: the rank dies by SIGKILL (only in torchrun's first attempt);
@@ -78,6 +80,8 @@ class FaultyTrainer(_Deterministic):  # type: ignore[valid-type, misc]
             self._start_of_step(step, rank)
         if _fault("FAULT_NAN", step, rank) is not None:
             loss = loss * float("nan")
+        if _fault("FAULT_RISE", step, rank) is not None:
+            loss = loss * 1.05**step
         return loss
 
     def _start_of_step(self, step: int, rank: int) -> None:

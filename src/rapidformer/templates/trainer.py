@@ -34,9 +34,9 @@ from rapidformer.engine.engine import RapidformerEngine
 from rapidformer.errors import HookError, Preempted, Violation
 from rapidformer.fatal import report_uncaught, set_debug
 from rapidformer.log import log
+from rapidformer.reliability.loss_watch import LossWatch
 from rapidformer.reliability.peers import naming_lost_peers
-from rapidformer.reliability.spikes import SpikeDetector
-from rapidformer.schedules import build_lr_scheduler
+from rapidformer.schedules import build_lr_scheduler, warmup_steps
 from rapidformer.seeding import seed_everything
 from rapidformer.state import TrainState
 from rapidformer.step_io import ModelInputs, StepFunctions, StepResult, call_model
@@ -273,7 +273,8 @@ class Trainer(ABC):
         state.model.train()  # evaluate() switches to eval mode and back
         by_epoch = cfg.training.train_iters is None
         groups = step_batches(state, progress, total_steps, engine.accumulation_steps, by_epoch)
-        path, spikes = None, SpikeDetector()
+        path = None
+        losses = LossWatch(warmup_steps(cfg, total_steps), cfg.training.lr or 0.0)
         result: StepResult | None = None
         for group in groups:
             saves.check()  # a background write that failed stops the run here
@@ -283,9 +284,7 @@ class Trainer(ABC):
             evaluation: dict[str, float] = {}
             # No host read of the step's numbers here: the logger reads a window at a time.
             window = self._log_step(logger, progress.step, result, batches)
-            for logged_step, loss, skipped in window or ():
-                if not skipped:
-                    spikes.report(logged_step, loss, engine.is_main_process)
+            losses.report(window or (), engine.is_main_process)
             last_step = progress.step == total_steps
             stopping = result.stop_requested and not last_step
             if valid_loader is not None and (
