@@ -14,7 +14,6 @@ number, inside the run's :class:`Degrees`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Protocol
 
 from rapidformer.config.fields import all_fields
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.config.trackers import tracker_violations
 from rapidformer.errors import ConfigError, Violation
 
 NOT_AVAILABLE: dict[str, str] = {}
@@ -95,6 +95,9 @@ class Feature:
     recipe: Mapping[str, object] = field(default_factory=dict)
     """Fine-tuning recipe values the feature changes where the flags leave them open, when it
     is on (adapters start at zero and take a larger learning rate)."""
+    recognizes: Callable[[str], tuple[str, str] | None] = lambda path: None
+    """(rule, fix) when a directory given as the model is really this feature's output (an
+    adapter directory, say), so that the refusal can point to the feature's own flag."""
     late_weight_rules: Callable[[RapidformerConfig], Iterator[Violation]] = lambda config: iter(())
     """What the feature refuses for a model built on the meta device that gets its weights
     only once materialised (the Pretrainer's built-in GPT and BERT): a template asks before
@@ -232,71 +235,8 @@ def _async_save(config: RapidformerConfig, context: RunContext) -> Iterator[Viol
         yield Violation("--async-save", True, problem, fix)
 
 
-TRACKERS = ("tensorboard", "jsonl", "mlflow", "wandb", "trackio")
-"""What --report-to names (``all``: every one; ``none``: none)."""
-TRACKER_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb",
-                   "trackio": "trackio"}  # fmt: skip
-
-
-def reported_to(report_to: str) -> list[str]:
-    """The trackers a --report-to value names, in the order given (``all``, ``none``)."""
-    names = [name.strip() for name in report_to.split(",") if name.strip()]
-    if names == ["all"]:
-        return list(TRACKERS)
-    return [] if names == ["none"] else names
-
-
 def _report_to(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:
-    """Trackers that exist and are installed, before anything is built; the file-writing ones
-    need --save (the default, tensorboard and jsonl, then writes nothing)."""
-    from importlib.util import find_spec
-
-    logging, value = config.logging, config.logging.report_to
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    unknown = [n for n in names if n not in (*TRACKERS, "all", "none")]
-    if unknown or (len(names) > 1 and {"all", "none"} & set(names)):
-        rule = f"{', '.join(unknown) or 'all or none'} is not a tracker here"
-        if not unknown:
-            rule = "all and none stand alone"
-        fix = f"a comma list of {', '.join(TRACKERS)}, or all, or none"
-        yield Violation("--report-to", value, rule, fix)
-        return
-    chosen = reported_to(value)
-    missing = [n for n in chosen if find_spec(TRACKER_MODULES.get(n, "json")) is None]
-    if missing:
-        yield Violation(
-            "--report-to",
-            value,
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
-            "pip install 'rapidformer[trackers]' (or drop the name)",
-        )
-    if (
-        "mlflow" in chosen
-        and config.checkpoint.save is None
-        and not (logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
-    ):
-        yield Violation(
-            "--report-to",
-            value,
-            "MLflow records the run in a database under --save by default, and there is none",
-            "pass --save DIR, or --mlflow-tracking-uri URI",
-        )
-    # A tracker's setting with none of its trackers chosen would do nothing: said, not ignored.
-    named = ("mlflow", "wandb", "trackio")
-    settings = (
-        ("--mlflow-tracking-uri", logging.mlflow_tracking_uri, ("mlflow",)),
-        ("--run-name", logging.run_name, named),
-        ("--tracker-project", logging.tracker_project, named),
-    )
-    for flag, given, users in settings:
-        if given is not None and not set(users) & set(chosen):
-            yield Violation(
-                flag,
-                given,
-                f"no tracker of --report-to={value!r} reads it (it names the run in "
-                f"{', '.join(users)})",
-                f"add {' or '.join(users)} to --report-to, or drop {flag}",
-            )
+    return tracker_violations(config)
 
 
 def _finite_numbers(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:

@@ -17,16 +17,15 @@ import contextlib
 import copy
 import difflib
 import importlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from rapidformer.distributed.tensors import is_dtensor
 from rapidformer.errors import ConfigError
 from rapidformer.hub import hub_unreachable
 from rapidformer.safe_load import hugging_face_weights
@@ -62,12 +61,6 @@ def _check_local(name_or_path: str) -> bool:
     """True for a local model directory (checked to hold a model), False for a hub name."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-            raise ConfigError.single(
-                PRETRAINED_FLAG, name_or_path,
-                f"holds an adapter, not a model (its base: {_adapter_base(path)})",
-                f"pass the base as {PRETRAINED_FLAG} and this directory as --lora-adapter",
-            )  # fmt: skip
         if not (path / "config.json").is_file():
             files = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
             raise ConfigError.single(
@@ -96,14 +89,6 @@ def _closest(path: Path) -> str:
     siblings = [p.name for p in parent.iterdir() if p.is_dir()]
     close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.8)
     return f"did you mean {parent / close[0]}?" if close else f"check the path (in {parent})"
-
-
-def _adapter_base(path: Path) -> str:
-    try:
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        base = None
-    return str(base) if base else "not recorded"
 
 
 def _probe_hub(local: bool) -> None:
@@ -264,7 +249,7 @@ def save_model(
     DeepSpeed, tensor parallelism) and is written in place of the module's own tensors."""
     while isinstance(model, DistributedDataParallel):
         model = model.module
-    if state_dict is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+    if state_dict is not None and any(is_dtensor(p) for p in model.parameters()):
         model = _plain_copy(model, state_dict, use_cache=getattr(model, _CACHE_SETTING, None))
     with generation_cache(model):  # config.json keeps the model's own setting
         model.save_pretrained(out_dir, state_dict=state_dict)  # type: ignore[operator]

@@ -42,6 +42,7 @@ from rapidformer.config.root import RapidformerConfig
 from rapidformer.data.finetune_data import load_splits, located, training_split
 from rapidformer.data.packing import PackedCollate
 from rapidformer.distributed import process_group
+from rapidformer.engine.order import FEATURES
 from rapidformer.errors import DataError, Violation
 from rapidformer.log import log
 from rapidformer.models.hf import (
@@ -125,7 +126,11 @@ class Finetuner(Trainer):
                 )
             )
         path = config.model.pretrained_model_name_or_path
-        if cls.build_model is Finetuner.build_model:
+        # A feature's own output given as the model (an adapter directory) is named as such,
+        # before the loader would call it a directory without config.json.
+        recognized = [said for f in FEATURES if path and (said := f.recognizes(path))]
+        violations += [Violation(PRETRAINED_FLAG, path, *said) for said in recognized[:1]]
+        if cls.build_model is Finetuner.build_model and not recognized:
             violations += hf_parallel_violations(config)
             if path is not None and task is not None and canonical_task(task) in TASKS:
                 unsupported = task_violation(path, task)

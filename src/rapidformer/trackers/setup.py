@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidformer.config.root import RapidformerConfig
-from rapidformer.config.validate import reported_to
+from rapidformer.config.trackers import reported_to
 from rapidformer.log import log
 from rapidformer.trackers.guard import CallbackTracker, GuardedTrackers
 from rapidformer.trackers.tracker import TrackedRun, Tracker

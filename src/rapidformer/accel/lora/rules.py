@@ -4,6 +4,7 @@ values they take, and the switches they cannot run with (each refusal names its 
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,23 @@ def late_weight_rules(config: RapidformerConfig) -> Iterator[Violation]:
         )  # fmt: skip
 
 
+def not_a_model(path: str) -> tuple[str, str] | None:
+    """(rule, fix) when ``path``, given as the model, is an adapter directory (None when it
+    is not one): where it belongs, and the base it names."""
+    directory = Path(path)
+    if not (directory / "adapter_config.json").is_file() or (directory / "config.json").is_file():
+        return None
+    try:
+        written = json.loads((directory / "adapter_config.json").read_text())
+        base = written["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        base = None
+    return (
+        f"holds an adapter, not a model (its base: {base or 'not recorded'})",
+        "pass the base as --pretrained-model-name-or-path and this directory as --lora-adapter",
+    )
+
+
 FEATURE = Feature(
     "adapters",
     flags=("--lora-rank", "--lora-adapter", *("--" + f.replace("_", "-") for f in _LORA_FLAGS)),
@@ -119,5 +137,6 @@ FEATURE = Feature(
     ),
     refused_on={"deepspeed": "DeepSpeed's engine is not given the adapters' frozen base yet"},
     recipe={"lr": LORA_LR},
+    recognizes=not_a_model,
     late_weight_rules=late_weight_rules,
 )
