@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-gpu gpu-wheels lint format docs docs-site bench clean
+.PHONY: install demo test test-fast durations test-gpu gpu-wheels lint format docs docs-site bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 	$(VENV)/bin/ruff format src tests examples benchmarks
 
+# The whole suite (what CI runs): the 20 slowest tests printed, a test past 60 s fails
+# (tests/helpers/budget.py).
 test: $(STAMP) lint docs-site
 	$(PY) -m pytest -q --durations=20
 
+# The edit loop's tier, under 5 minutes: every test measured under 8 s in tests/durations.json.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=10
+
+# Measure every test again (a full run) into tests/durations.json, which sets the tiers.
+durations: $(STAMP)
+	$(PY) -m pytest -q --write-durations tests/durations.json
 
 # CUDA tests (tests/gpu/, ~3 min on one H200) on the GPU machine's own python3 and torch: no
 # .venv is built there (no package registry). Without pytest on that image, carry the wheels

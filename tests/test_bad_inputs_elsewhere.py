@@ -138,7 +138,6 @@ def test_a_real_scripts_process_ends_with_the_commands_message_and_code(
 CONFIG_ERROR = "rapidformer: error: invalid rapidformer configuration"
 
 
-@pytest.mark.slow
 def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
     inputs: Inputs, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -219,7 +218,6 @@ FOUND_BY_THE_WORKERS = (
 them, and the job still says each once with exit 2."""
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_what_the_workers_find_is_one_message_and_exit_2_on_two_ranks(
     inputs: Inputs, tmp_path: Path, capfd: pytest.CaptureFixture[str]

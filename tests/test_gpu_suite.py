@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.trainers import ROOT
 
 MISSING_ON_THE_GPU_IMAGE = (
@@ -25,7 +23,6 @@ MISSING_ON_THE_GPU_IMAGE = (
 them at import time."""
 
 
-@pytest.mark.slow
 def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "2"}
     done = subprocess.run(

@@ -25,7 +25,6 @@ def test_the_four_notebooks_are_there_without_outputs() -> None:
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip outputs"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_on_a_cpu(path: Path, tmp_path: Path) -> None:
     nbformat = pytest.importorskip("nbformat")

@@ -91,7 +91,6 @@ def test_a_model_without_blocks_is_refused() -> None:
         engine.compose(nn.Linear(4, 4), optimizer=torch.optim.SGD(nn.Linear(4, 4).parameters()))
 
 
-@pytest.mark.slow
 def test_checkpointing_lowers_peak_resident_memory() -> None:
     """The benchmark's measurement, once: separate processes, MALLOC_MMAP_THRESHOLD_=131072 so
     that freed activation buffers leave the resident set (hidden 256, 8 layers, batch 32 x 256)."""

@@ -149,7 +149,6 @@ def _steps_logged(save: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
 
-@pytest.mark.slow
 def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
     tmp_path: Path,
 ) -> None:

@@ -110,7 +110,6 @@ def _run_forked(argv: list[str], go: Path, stderr: Path, start: Any) -> None:
     os._exit(code)
 
 
-@pytest.mark.slow
 def test_twenty_trials_of_two_runs_on_one_directory(tmp_path: Path) -> None:
     """10 staggered trials (the second run starts a random 0-300 ms after the first holds the
     lock) and 10 simultaneous ones (both released by one barrier), with different seeds:

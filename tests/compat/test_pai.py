@@ -70,7 +70,6 @@ def _out_flags(script: Path, out: Path) -> list[str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_pai_finetuner_script_learns_and_two_ranks_match_one(
     classification: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -93,7 +92,6 @@ def test_pai_finetuner_script_learns_and_two_ranks_match_one(
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_pai_pretrainer_with_output_and_loss_func_matches_fsdp_on_two_ranks(tmp_path: Path) -> None:
     script = _script(PRETRAIN, tmp_path, "pai_pretrain")
     flags = [
@@ -112,7 +110,6 @@ def test_pai_pretrainer_with_output_and_loss_func_matches_fsdp_on_two_ranks(tmp_
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_pai_hand_written_loop_steps_through_the_engine_with_zero2_on_two_ranks(
     classification: tuple[Path, Path], tmp_path: Path
 ) -> None:

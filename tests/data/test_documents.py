@@ -113,7 +113,6 @@ def test_a_pretraining_run_with_the_document_flags_learns(
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_the_document_flags_on_two_tensor_or_pipeline_parallel_ranks_match_one_process(
     tmp_path: Path,
 ) -> None:

@@ -220,7 +220,6 @@ def _eight(out: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_dp2_tp2_pp2_on_eight_ranks_matches_the_one_process_run(tmp_path: Path) -> None:
     run_distributed(_eight, 8, str(tmp_path))
     reference = train_gpt({})

@@ -41,7 +41,6 @@ def _evaluation(save: Path) -> dict[str, float]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_bert_under_tp2_pp2_matches_one_process(bert_data: PretrainingData, tmp_path: Path) -> None:
     single = Pretrainer(parse_args([*bert_data.flags(), *FLAGS, "--save", str(tmp_path / "one")]))
     try:

@@ -91,7 +91,6 @@ def _two_ranks(out: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_a_tensor_parallel_axis_does_not_change_counts_or_gradients(tmp_path: Path) -> None:
     run_distributed(_four_ranks, 4, str(tmp_path))
     run_distributed(_two_ranks, 2, str(tmp_path))

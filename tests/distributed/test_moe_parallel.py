@@ -164,7 +164,6 @@ def test_reduced_precision_is_bounded(runs: dict[str, Any], name: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_four_rank_layout_matches_the_one_process_run(runs: dict[str, Any], name: str) -> None:
     _check(runs, name, FOUR_RANKS[name][1])
@@ -193,7 +192,6 @@ def test_each_expert_parallel_rank_holds_half_the_experts(runs: dict[str, Any]) 
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_zero2_shards_experts_over_the_expert_data_parallel_ranks(runs: dict[str, Any]) -> None:
     for run in runs["dp2_ep2_zero2"].values():
         whole, param, grad, moment = run["held"]["blocks.0.ffn.experts.w1"]

@@ -53,7 +53,6 @@ def _two_nodes(save: Path, extra: list[str]) -> list[str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_two_nodes_through_c10d_rendezvous_match_one_process(tmp_path: Path) -> None:
     single = tmp_path / "single"
     tiny_trainer(*RUN, "--micro-batch-size", "8", "--save", str(single)).fit()

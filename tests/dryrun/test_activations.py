@@ -68,7 +68,6 @@ def _spec(size: str, mode: str, accumulation: int, precision: str = "fp32") -> S
     }  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not supported(), reason="needs Linux's /proc")
 @pytest.mark.parametrize(("size", "mode", "accumulation", "precision"), CASES)
 def test_the_activation_estimate_is_within_15_percent_of_a_cpu_step(
@@ -82,7 +81,6 @@ def test_the_activation_estimate_is_within_15_percent_of_a_cpu_step(
     assert abs(ratio - 1) <= TOLERANCE, (size, mode, accumulation, precision, estimated, measured)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not supported(), reason="needs Linux's /proc")
 @pytest.mark.parametrize(("size", "mode", "accumulation", "flags"), DATA_PARALLEL)
 def test_on_two_data_parallel_ranks_too(
@@ -110,7 +108,6 @@ LLAMA = {
 }  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not supported(), reason="needs Linux's /proc")
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_a_fine_tuned_llama_step_too(packing: bool) -> None:

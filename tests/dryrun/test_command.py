@@ -73,7 +73,6 @@ def _memory_3d() -> Any:
     return module
 
 
-@pytest.mark.slow
 def test_gpt_1_3b_on_4x4_is_planned_in_seconds_without_memory_data_or_peers(
     tmp_path: Path,
 ) -> None:
@@ -110,7 +109,6 @@ def test_gpt_1_3b_on_4x4_is_planned_in_seconds_without_memory_data_or_peers(
     assert re.search(r"worst rank 0 .*total \d+\.\d\d = model state", done.stdout)
 
 
-@pytest.mark.slow
 def test_a_device_too_small_gets_the_switches_that_make_it_fit() -> None:
     flags = [*GPT_1_3B, "--micro-batch-size", "4", "--global-batch-size", "64"]
     flags += ["--dry-run-world-size", "16", "--device-memory", "24GB"]

@@ -93,7 +93,6 @@ def _report_bytes(world: int, out: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_dry_run_counts_what_the_memory_report_counts(world: int, tmp_path: Path) -> None:
     if world == 1:

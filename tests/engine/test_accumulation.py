@@ -136,7 +136,6 @@ def test_two_rank_counted_accumulation_equals_one_big_batch_native(tmp_path: Pat
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_two_rank_counted_accumulation_equals_one_big_batch_deepspeed(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     _check_two_ranks(tmp_path, DEEPSPEED)

@@ -58,7 +58,6 @@ def test_each_family_supports_the_expected_tasks(models: dict[str, Path]) -> Non
         assert supported_tasks(model_type) == EXPECTED[kind].split(), kind
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "task"), CELLS, ids=[f"{k}-{t}" for k, t in CELLS])
 def test_family_learns_the_task_and_reloads_with_transformers(
     kind: str, task: str, models: dict[str, Path], datasets: dict[str, Path], tmp_path: Path

@@ -168,7 +168,6 @@ def test_a_packed_roberta_is_given_its_own_positions(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_packed_runs_resume_exactly_and_match_one_process_on_ddp_zero3_and_tp2(
     chat: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:

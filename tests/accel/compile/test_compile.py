@@ -18,7 +18,6 @@ STEPS = 12
 DYNAMIC = ["--train-iters", str(STEPS), "--micro-batch-size", "8", "--data-iterator"]
 
 
-@pytest.mark.slow
 def test_compiled_blocks_match_eager_and_compile_once_per_bucket(tmp_path: Path) -> None:
     """One cold compile (~50 s on two cores). Checkpointing is on in the compiled run, so the
     canonical order (checkpoint, then compile) is exercised too; it does not change losses."""

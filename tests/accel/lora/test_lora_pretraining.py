@@ -120,7 +120,6 @@ def test_adapters_start_from_the_pretrained_checkpoint_and_export_merged(
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_zero3_adapters_resume_on_dp2_x_tp2_as_one_process_runs(
     base: tuple[PretrainingData, Path], tmp_path: Path
 ) -> None:

@@ -36,7 +36,6 @@ def _two_ranks(flags: list[str]) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_adapter_loss_curves_agree_across_layouts_and_a_resume(tmp_path: Path) -> None:
     model = tiny_model("llama", tmp_path / "llama")
@@ -60,7 +59,6 @@ def test_adapter_loss_curves_agree_across_layouts_and_a_resume(tmp_path: Path) -
     assert reference[10] < reference[1] - 0.05  # the adapters learn
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_adapters_on_tensor_parallel_layers_agree_and_a_zero3_checkpoint_resumes_on_tp2(
     tmp_path: Path,

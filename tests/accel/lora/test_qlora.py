@@ -70,7 +70,6 @@ def test_the_base_is_held_in_nf4_and_the_adapters_learn(
     assert q[6] < q[1] - 0.1  # the adapters learn on the quantised base
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_compute_what_one_process_does(inputs: tuple[Path, Path], tmp_path: Path) -> None:
     nf4 = ("--quantize-base", "nf4")

@@ -437,7 +437,6 @@ def test_bert_takes_moe_layers_too() -> None:
     assert any("experts on this rank" in str(p) for p in state.plan)
 
 
-@pytest.mark.slow
 def test_compiled_moe_blocks_train_like_eager() -> None:
     from tests.helpers.parity import train_gpt
 
