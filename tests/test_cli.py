@@ -119,6 +119,50 @@ def test_help_and_flag_errors_answer_without_importing_torch() -> None:
     assert set(rapidformer.__all__) <= set(dir(rapidformer))
 
 
+HEAVY = ("torch.distributed.tensor", "torch.distributed.pipelining", "torch.distributed.checkpoint",
+         "torch.distributed.fsdp", "transformers", "datasets")  # fmt: skip
+"""Packages of seconds each: a configuration error, and the templates' import, load none."""
+
+
+def test_refusals_and_the_templates_import_cost_little_more_than_torch(tmp_path: Path) -> None:
+    """Measured side by side, three times each, medians (the machine's load moves them
+    together): a configuration error within 2x ``import torch``, ``from rapidformer import
+    Finetuner`` within 1.5x; neither imports torch's distributed packages, transformers or
+    datasets."""
+    import statistics
+    import time
+
+    heavy = (
+        f"import sys; loaded = [m for m in {HEAVY!r} if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    config_error = [
+        "-c",
+        "import sys; from rapidformer.cli import main; code = main(sys.argv[1:]); "
+        f"{heavy}; sys.exit(code)",
+        "--user-script", str(DETERMINISTIC_SCRIPT), "--lr", "3e-3", "--train-iters", "2",
+        "--micro-batch-size", "2", "--global-batch-size", "7",
+    ]  # fmt: skip
+    commands = {
+        "torch": (["-c", "import torch"], 0),
+        "config error": (config_error, 2),
+        "Finetuner": (["-c", f"from rapidformer import Finetuner; {heavy}"], 0),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(3):
+        for name, (args, code) in commands.items():
+            started = time.perf_counter()
+            done = subprocess.run(
+                [sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
+            )
+            seconds[name].append(time.perf_counter() - started)
+            assert done.returncode == code, (name, done.stderr[-2000:])
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    print({name: f"{value:.2f} s" for name, value in median.items()})
+    assert median["config error"] <= 2.0 * median["torch"], median
+    assert median["Finetuner"] <= 1.5 * median["torch"], median
+
+
 def test_a_script_that_trains_at_its_top_level_trains_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -41,7 +41,7 @@ def _files(folder: str) -> list[Path]:
 
 
 TIERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "quiet", "seeding", "hardware", "log", "labels", "hub"),
+    ("errors", "quiet", "seeding", "hardware", "log", "labels", "hub", "loaded"),
     ("config", "own_files"),
     ("distributed",),
     ("threads", "schedules", "memory", "launcher", "fatal", "safe_load", "reliability"),

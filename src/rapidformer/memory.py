@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from rapidformer.distributed.tensors import local_part
+from rapidformer.loaded import instance_of
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,9 @@ def held_bytes(tensor: torch.Tensor) -> int:
 def _local_optimizer(optimizer: Optimizer) -> Optimizer:
     """The optimizer over this rank's partition (ZeRO-1), else ``optimizer``."""
     inner = getattr(optimizer, "optim", None)
-    if isinstance(optimizer, ZeroRedundancyOptimizer) or isinstance(inner, Optimizer):
+    if instance_of(optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer") or isinstance(
+        inner, Optimizer
+    ):
         return inner  # type: ignore[return-value]
     return optimizer
 

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
@@ -460,9 +459,12 @@ class TrainState:
 
 
 def loss_context(state: TrainState) -> AbstractContextManager[Any]:
-    """The context a loss (and its backward) must run in: ``loss_parallel()`` for
-    vocabulary-sharded logits, else nothing."""
-    return loss_parallel() if state.loss_parallel else nullcontext()
+    """``loss_parallel()`` for vocabulary-sharded logits (a loss and its backward run in it)."""
+    if not state.loss_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel  # loaded: logits are sharded
+
+    return loss_parallel()
 
 
 @contextmanager

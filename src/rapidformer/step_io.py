@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+
+from rapidformer.distributed.tensors import is_dtensor
 
 ModelInputs = tuple[Any, ...] | Mapping[str, Any]
 """What a model's forward is called with: positional arguments, or keyword arguments."""
@@ -45,8 +46,10 @@ class StepFunctions:
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor: a replicated DTensor (a vocab-parallel loss) becomes this
     rank's copy, still in the autograd graph."""
-    if isinstance(loss, DTensor):
+    if is_dtensor(loss):
         if not all(p.is_replicate() for p in loss.placements):
+            from torch.distributed.tensor import Replicate  # loaded: a DTensor exists
+
             loss = loss.redistribute(placements=[Replicate()] * len(loss.placements))
         return loss.to_local()
     return loss
@@ -55,7 +58,7 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
 def whole(tensor: Any) -> Any:
     """A DTensor gathered into a plain tensor (e.g. vocabulary-sharded logits for a metric);
     anything else unchanged."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 @dataclass(frozen=True)

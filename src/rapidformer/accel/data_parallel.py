@@ -27,13 +27,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.distributed import process_group
 from rapidformer.distributed.mesh import ParallelMesh
 from rapidformer.distributed.tensors import local_part
+from rapidformer.loaded import instance_of
 from rapidformer.state import GradientSync, PlanStep, TrainState
 
 
@@ -44,7 +44,9 @@ def apply_data_parallel(
     train state's ``gradient_sync``, written here only."""
     dp = mesh.dims.dp
     averaged_by = state.forward_backward.averaged_by
-    sharded = any(isinstance(part, FSDPModule) for part in state.model_parts)
+    sharded = any(
+        instance_of(part, "torch.distributed.fsdp", "FSDPModule") for part in state.model_parts
+    )
     if dp == 1 or averaged_by == "self":
         return state
     if sharded:  # FSDP2 reduce-scatters the dense gradients; experts may be left to us
@@ -81,7 +83,9 @@ def _expert_sync(state: TrainState, average_group: Any = None) -> GradientSync:
     experts = state.experts
     if experts is None:
         return GradientSync(average_group=average_group)
-    by_fsdp = any(isinstance(module, FSDPModule) for module in experts.modules)
+    by_fsdp = any(
+        instance_of(module, "torch.distributed.fsdp", "FSDPModule") for module in experts.modules
+    )
     return GradientSync(
         average_group=average_group,
         expert_ids=experts.parameter_ids(),

@@ -36,13 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from rapidformer.accel.optim.partitioned import PartitionedOptimizer
@@ -79,6 +72,9 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
         return state
     if sharding not in _SHARDED:
         return state
+    # FSDP2 is imported where it is used: a run without sharding does not wait for it.
+    from torch.distributed.fsdp import fully_shard
+
     options = _fsdp_options(config, mesh)
     names = {id(p): n for n, p in state.unwrapped_model.named_parameters()}
     units = [unit for part in state.model_parts for unit in shard_units(part)]
@@ -99,6 +95,8 @@ def apply_sharding(state: TrainState, config: RapidformerConfig, mesh: ParallelM
 
 def _fsdp_options(config: RapidformerConfig, mesh: ParallelMesh) -> dict[str, Any]:
     """``fully_shard``'s keyword arguments for this run."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
     precision = config.precision.autocast
     mixed = MixedPrecisionPolicy()
     if precision in _LOW:
@@ -153,6 +151,8 @@ def _shard_experts(state: TrainState, mesh: ParallelMesh, options: dict[str, Any
     divides by ep: gloo has no pre-multiplied sum for a divide factor of dp); with one, FSDP
     leaves them out. Returns whether it sharded (FSDP2 then registered new, sharded
     parameters in the experts' modules, and averages their gradients over edp itself)."""
+    from torch.distributed.fsdp import fully_shard
+
     if state.experts is None:
         return False
     edp_mesh = mesh.submesh("edp")
@@ -222,6 +222,8 @@ def apply_optimizer_sharding(
         )
         engine = "rapidformer PartitionedOptimizer + gradient averaging"
     else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         state.optimizer = ZeroRedundancyOptimizer(
             groups,
             optimizer_class=type(optimizer),

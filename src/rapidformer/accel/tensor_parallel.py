@@ -32,32 +32,37 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature, RunContext
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import is_dtensor
 from rapidformer.errors import ConfigError, Violation
 from rapidformer.state import PlanStep, TrainState, base_alone
 
 HF_TP_FAMILIES = "Llama, Qwen2/Qwen3, Mistral, Mixtral, Gemma, Phi-3, OLMo2, GPT-NeoX"
 """Hugging Face families whose configs ship a ``base_model_tp_plan`` (transformers 5)."""
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 
 def _style(kind: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style of one plan entry (None: the module stays replicated)."""
+    # torch's DTensor packages are imported where a plan is applied: a run without tensor
+    # parallelism does not wait for them.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     seq = Shard(1)  # [batch, sequence, hidden]: the sequence dimension
     if kind == "colwise":
         return ColwiseParallel()
@@ -108,7 +113,7 @@ def has_tp_plan(model: nn.Module) -> bool:
 def is_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> bool:
     """Whether ``model`` already holds DTensor parameters on ``tp_mesh`` (a Hugging Face model
     loaded with ``tp_plan="auto"``)."""
-    return any(isinstance(p, DTensor) and p.device_mesh == tp_mesh for p in model.parameters())
+    return any(is_dtensor(p) and p.device_mesh == tp_mesh for p in model.parameters())
 
 
 def _refuse(model: nn.Module) -> ConfigError:
@@ -128,6 +133,8 @@ def apply_tensor_parallel(
     tp_mesh = mesh.submesh("tp")
     if tp_mesh is None:
         return state
+    from torch.distributed.tensor.parallel import parallelize_module
+
     sequence_parallel = config.parallel.sequence_parallel
     loss_parallel = False
     for part in state.model_parts:
@@ -176,7 +183,7 @@ def apply_tensor_parallel(
 
 
 def _is_sharded(param: Any) -> bool:
-    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+    return is_dtensor(param) and any(p.is_shard() for p in param.placements)
 
 
 def rules(config: RapidformerConfig, context: RunContext) -> Iterator[Violation]:

@@ -38,8 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from rapidformer.checkpoint.directory import STAGING_PREFIX, iteration_dir, remove_debris
@@ -85,7 +83,7 @@ class BackgroundSaver:
         self._step = 0
         self._buffers: dict[int, torch.Tensor] = {}
         """The host copies of the last save's tensors, by their place in its files."""
-        self._stager: DefaultStager | None = None
+        self._stager: Any = None
         """DCP's stager of the shards (it reuses its host memory from one save to the next)."""
         self._group: dist.ProcessGroup | None = None
         """The threads' own gloo group (several ranks)."""
@@ -135,6 +133,8 @@ class BackgroundSaver:
         self.raise_if_failed()
 
     def _stage(self, shards: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         if self._stager is None:
             pinned = torch.cuda.is_available()
             options = StagingOptions(pinned, use_shared_memory=False, use_async_staging=False,
@@ -233,6 +233,8 @@ class BackgroundSaver:
             self._on_failure()
 
     def _agreed_write(self, job: _Job) -> None:
+        import torch.distributed.checkpoint as dcp
+
         rank = process_group.rank()
         staging = job.root / f"{STAGING_PREFIX}{iteration_dir(job.step)}"
         failure: BaseException | None = job.failure

@@ -23,24 +23,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
+from rapidformer.distributed.tensors import is_dtensor
 from rapidformer.errors import CheckpointError
+from rapidformer.loaded import instance_of
 from rapidformer.safe_load import dcp_load_planner, dcp_reader, load_torch_file
 from rapidformer.state import CheckpointFormat, TrainState
 
@@ -48,9 +39,12 @@ SHARDED = "sharded"
 """Sub-directory of a checkpoint holding torch.distributed.checkpoint (DCP) shard files."""
 NATIVE = ("consolidated", "dcp")
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
 
 def _has_dtensors(state: TrainState) -> bool:
-    return any(isinstance(p, DTensor) for p in state.parameters)
+    return any(is_dtensor(p) for p in state.parameters)
 
 
 def _single_part(state: TrainState) -> nn.Module:
@@ -77,9 +71,13 @@ def _single_part(state: TrainState) -> nn.Module:
     return view
 
 
-# Optimizer state keyed per parameter name ("state.<name>.exp_avg", "param_groups.<name>.lr"):
-# layout-independent, so any layout (other groups, other stages per rank) reads it back.
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+def _flat() -> StateDictOptions:
+    """Optimizer state keyed per parameter name ("state.<name>.exp_avg",
+    "param_groups.<name>.lr"): layout-independent, so any layout (other groups, other stages
+    per rank) reads it back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ConsolidatedFormat:
@@ -88,6 +86,7 @@ class ConsolidatedFormat:
     name = "consolidated"
 
     def save(self, state: TrainState, directory: Path) -> None:
+
         for name, content in self.files(state).items():
             torch.save(content, directory / name)
 
@@ -116,6 +115,12 @@ class ConsolidatedFormat:
         return ["model.pt"]
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         model_state = load_torch_file(directory / "model.pt")
         if _has_dtensors(state) or not state.forward_backward.holds_whole_model:
             # Every rank reads the whole file and keeps what it holds: its shard of each
@@ -142,6 +147,7 @@ class ConsolidatedFormat:
             state.optimizer.load_state_dict(saved)
 
     def gather_model(self, state: TrainState) -> dict[str, Any] | None:
+
         return state.unwrapped_model.state_dict() if process_group.rank() == 0 else None
 
 
@@ -152,6 +158,8 @@ class DistributedFormat:
     name = "dcp"
 
     def save(self, state: TrainState, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
         dcp.save(self.content(state), checkpoint_id=directory / SHARDED)
 
     def content(self, state: TrainState) -> dict[str, Any]:
@@ -169,7 +177,15 @@ class DistributedFormat:
         return [f"{SHARDED}/.metadata"]  # what lets any layout read the shards back
 
     def load(self, state: TrainState, directory: Path, record: dict[str, Any]) -> None:
-        if isinstance(state.optimizer, ZeroRedundancyOptimizer):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if instance_of(state.optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
             raise CheckpointError(
                 f"{directory} is a sharded (DCP) checkpoint; ZeRO-1/OSS cannot read its "
                 "optimizer shards: resume with an SDP/FSDP/ZeRO-2/3 flag or plain DDP, or "
@@ -190,10 +206,12 @@ class DistributedFormat:
             set_model_state_dict(part, values, options=strict)
         if state.optimizer is not None:
             set_optimizer_state_dict(
-                _single_part(state), state.optimizer, content["optimizer"], options=_FLAT
+                _single_part(state), state.optimizer, content["optimizer"], options=_flat()
             )
 
     def gather_model(self, state: TrainState) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full: dict[str, Any] = {}
         for part in state.model_parts:
@@ -207,16 +225,18 @@ def _optimizer_state(state: TrainState) -> dict[str, Any]:
     resume has tensors to fill; torch does that only while no gradient exists, and DDP's
     gradients exist from the wrap on (views of its buckets). They are set aside for it and put
     back (the same tensors, so they stay views)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     optimizer = state.optimizer
     assert optimizer is not None
     if optimizer.state:
-        return get_optimizer_state_dict(_single_part(state), optimizer, options=_FLAT)
+        return get_optimizer_state_dict(_single_part(state), optimizer, options=_flat())
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     kept = [p.grad for p in parameters]
     for parameter in parameters:
         parameter.grad = None
     try:
-        return get_optimizer_state_dict(_single_part(state), optimizer, options=_FLAT)
+        return get_optimizer_state_dict(_single_part(state), optimizer, options=_flat())
     finally:
         for parameter, grad in zip(parameters, kept, strict=True):
             parameter.grad = grad
@@ -239,6 +259,8 @@ NATIVE_FORMATS: dict[str, CheckpointFormat] = {
 def _model_state(state: TrainState) -> dict[str, Any]:
     """The model state dicts of every part this rank holds, merged: names are the model's own,
     so a stage's keys are the whole model's keys of its layers."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     merged: dict[str, Any] = {}
     for part in state.model_parts:
         merged.update(saved_part(state, get_model_state_dict(part)))
@@ -275,8 +297,8 @@ def _full_optimizer_state(state: TrainState) -> dict[str, Any] | None:
     optimizer = state.optimizer
     if optimizer is None:
         return None
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
+    if instance_of(optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer"):
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         return optimizer.state_dict() if process_group.rank() == 0 else None
     return optimizer.state_dict()
 
@@ -305,6 +327,9 @@ def _merged_model_shards(directory: Path) -> dict[str, Any]:
     """Read every rank's model shards of a DCP checkpoint into whole tensors, in this process
     and without the optimizer state: the metadata gives each tensor's shape and dtype, DCP
     fills them from whichever files hold the pieces."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = dcp_reader(directory / SHARDED).read_metadata()
     template: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from rapidformer.checkpoint.directory import PROGRESS, read_progress
 from rapidformer.checkpoint.formats import (
@@ -53,6 +52,8 @@ def _reader(path: Path, state: TrainState, record: dict[str, Any]) -> Checkpoint
 def load_checkpoint(path: Path, state: TrainState) -> dict[str, Any]:
     """Restore ``state`` (and this rank's RNG) from the checkpoint at ``path``; returns the
     progress record saved with it."""
+    from torch.distributed.checkpoint.api import CheckpointException  # where a load happens
+
     progress: dict[str, Any] = read_progress(path)
     reader = _reader(path, state, progress)
     check_base(path, state, progress)

@@ -11,7 +11,6 @@ storage dtype) is what the adapters' checkpoints are checked against.
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from rapidformer.checkpoint.directory import PROGRESS, find_checkpoint, read_progress
 from rapidformer.checkpoint.formats import read_model_state, saved_format
@@ -28,6 +27,8 @@ def load_pretrained(state: TrainState, source: str) -> str:
     """Read the whole model at ``source`` into ``state``'s model (adapters aside); returns the
     SHA-256 of its frozen weights (for a run with adapters) or "". Refused, with the file
     named, when it is no whole model of this shape."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     path = find_checkpoint(source)
     if path is None:
         raise CheckpointError(

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from rapidformer.checkpoint.directory import (
     ASIDE_PREFIX,
@@ -191,6 +190,8 @@ def publish_staged(
 
 def _agree(action: Callable[[], None], staging: Path, step: int, device: torch.device) -> None:
     """Run ``action`` on every rank and share whether it failed anywhere (a collective)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # where a save happens
+
     failure: BaseException | None = None
     try:
         action()

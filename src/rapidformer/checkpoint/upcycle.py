@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
 from rapidformer.checkpoint.directory import read_progress
 from rapidformer.checkpoint.formats import read_model_state, saved_format
 from rapidformer.errors import CheckpointError
@@ -18,6 +16,8 @@ def load_upcycled(state: TrainState, path: Path) -> None:
     """Read the dense checkpoint at ``path`` (a checkpoint directory) into the MoE model of
     ``state``: experts from the dense FFNs, everything else as saved, routers as initialised.
     Refused (CheckpointError) when the checkpoint is not a dense version of this model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     record = read_progress(path)
     dense = read_model_state(path, saved_format(path, record))
     if any(".ffn.router." in key or ".ffn.experts." in key for key in dense):

@@ -22,7 +22,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rapidformer.errors import ConfigError, DataError
 from rapidformer.hub import hub_unreachable
@@ -40,10 +40,8 @@ SPLIT_WORDS = {
 
 def load_splits(data_dir: str, data_name: str | None = None) -> dict[str, Dataset]:
     """The train / validation / test splits that ``--data-dir`` and ``--data-name`` name
-    (the ones that exist), keyed by those canonical split names."""
-    import datasets
-
-    datasets.disable_progress_bars()  # one bar per split and rank drowns the run's log
+    (the ones that exist), keyed by those canonical split names. Local files are checked
+    before the datasets library is imported: a bad file is said in a second or two."""
     root = Path(data_dir)
     if root.is_dir():
         return _local_files(root, data_name)
@@ -64,12 +62,17 @@ def training_split(splits: dict[str, Dataset], data_dir: str) -> Dataset:
     return splits["train"]
 
 
-def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
+def _library() -> Any:
     import datasets
 
+    datasets.disable_progress_bars()  # one bar per split and rank drowns the run's log
+    return datasets
+
+
+def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     folder = root / data_name if data_name and (root / data_name).is_dir() else root
     if (folder / "dataset_dict.json").is_file():
-        loaded = datasets.load_from_disk(str(folder))
+        loaded = _library().load_from_disk(str(folder))
         return _canonical(dict(loaded), str(folder))
     by_split = _files_by_split(root, data_name)
     builders = {FORMATS[Path(p).suffix] for paths in by_split.values() for p in paths}
@@ -80,7 +83,7 @@ def _local_files(root: Path, data_name: str | None) -> dict[str, Dataset]:
     for split, paths in by_split.items():
         for file in paths:
             _check_file(Path(file), split)
-    loaded = datasets.load_dataset(builders.pop(), data_files=by_split)
+    loaded = _library().load_dataset(builders.pop(), data_files=by_split)
     return dict(loaded)
 
 
@@ -284,8 +287,7 @@ def _looks_like_a_path(name: str) -> bool:
 
 
 def _from_hub(name: str, config: str | None) -> dict[str, Dataset]:
-    import datasets
-
+    datasets = _library()
     try:
         if hub_unreachable():
             raise ConnectionError("the hub did not answer a connection within 3 s")

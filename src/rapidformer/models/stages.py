@@ -29,10 +29,8 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from rapidformer.distributed.tensors import local_part
+from rapidformer.distributed.tensors import is_dtensor, local_part
 from rapidformer.models.moe import GroupedExperts, reset_buffers
 
 INIT_STD = 0.02
@@ -116,9 +114,11 @@ def init_parameters(
 
 def assign_piece(param: torch.Tensor, values: torch.Tensor) -> None:
     """``param = values``, for a DTensor only this rank's piece of them."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         param.copy_(values)
         return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(
         values.shape, param.device_mesh, param.placements
     )

@@ -3,7 +3,7 @@
 * rapidformer's own files: scanned, then ``torch.load(weights_only=True)``
   (:func:`load_torch_file`);
 * torch.distributed.checkpoint: its ``.metadata`` read by :class:`RestrictedUnpickler` instead
-  of ``pickle.load`` (:class:`SafeFileSystemReader`), its non-tensor items with
+  of ``pickle.load`` (:func:`dcp_reader`), its non-tensor items with
   ``weights_only=True``, where DCP's own planner unpickles anything (:func:`dcp_load_planner`);
 * DeepSpeed: its files scanned, and its own unrestricted ``torch.load`` calls forced to
   ``weights_only=True`` with only DeepSpeed's three types added (:func:`deepspeed_loading`);
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -25,10 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
 
 from rapidformer.errors import CheckpointError
 from rapidformer.log import log
@@ -126,53 +123,68 @@ def _legacy_safe_globals() -> list[Any]:
 
 
 # ---- torch.distributed.checkpoint ----------------------------------------------------------
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with its ``.metadata`` unpickled by :class:`RestrictedUnpickler`
-    (DCP's own reads it with a plain ``pickle.load``)."""
+@functools.cache
+def _dcp_classes() -> tuple[type[Any], type[Any]]:
+    """DCP's reader and planner, made safe. Defined where DCP is first needed: importing it
+    costs a second, which a run that reads no DCP checkpoint (or a configuration error) does
+    not pay."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import ReadItem
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if _trusted:
-            return super().read_metadata(*args, **kwargs)
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = RestrictedUnpickler(stream, str(path)).load()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds no DCP metadata")
-        storage_meta = metadata.storage_meta or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader, with its ``.metadata`` unpickled by :class:`RestrictedUnpickler`
+        (DCP's own reads it with a plain ``pickle.load``)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if _trusted:
+                return super().read_metadata(*args, **kwargs)
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = RestrictedUnpickler(stream, str(path)).load()
+            if not isinstance(metadata, Metadata):
+                raise CheckpointError(f"{path} holds no DCP metadata")
+            storage_meta = metadata.storage_meta or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
+            return metadata
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, except that the non-tensor items (learning rates, step
+        counts) are read with ``weights_only=True``: DCP's own unpickles them as anything."""
+
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:  # as DefaultLoadPlanner: into the caller's nested dict
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return SafeFileSystemReader, WeightsOnlyPlanner
 
 
-def dcp_reader(directory: Path) -> FileSystemReader:
+def dcp_reader(directory: Path) -> Any:
     """The storage reader for ``dcp.load`` of the checkpoint in ``directory``, its metadata
     read once here: a refusal then reaches the user as it is, not wrapped in DCP's exception
     (which carries the traceback in its message)."""
     metadata = directory / ".metadata"
     if not metadata.is_file():
         raise CheckpointError(f"{metadata} is missing: not a complete DCP checkpoint")
-    reader = SafeFileSystemReader(directory)
+    reader = _dcp_classes()[0](directory)
     reader.read_metadata()
     return reader
 
 
-class _WeightsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that the non-tensor items (learning rates, step
-    counts) are read with ``weights_only=True``: DCP's own unpickles them as anything."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:  # as DefaultLoadPlanner: into the caller's nested dict
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
-        else:
-            self.state_dict[fqn] = loaded
-
-
-def dcp_load_planner() -> DefaultLoadPlanner:
+def dcp_load_planner() -> Any:
     """The planner for ``dcp.load``: DCP's own under ``--trust-checkpoint``, else one that
     reads non-tensor items as plain values only."""
-    return DefaultLoadPlanner() if _trusted else _WeightsOnlyPlanner()
+    if _trusted:
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        return DefaultLoadPlanner()
+    return _dcp_classes()[1]()
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from rapidformer.distributed.tensors import local_part
+from rapidformer.loaded import instance_of
 from rapidformer.state import TrainState, loss_context
 from rapidformer.step_io import StepFunctions, local_loss
 
@@ -48,7 +48,10 @@ class EagerForwardBackward:
 
     def forward_is_collective(self, state: TrainState) -> bool:
         # FSDP2 all-gathers each unit's parameters in its forward.
-        return isinstance(state.unwrapped_model, FSDPModule) and state.mesh.dims.dp > 1
+        return (
+            instance_of(state.unwrapped_model, "torch.distributed.fsdp", "FSDPModule")
+            and state.mesh.dims.dp > 1
+        )
 
     def norm_skips(self, state: TrainState) -> frozenset[int]:
         """No parameter's gradient is counted elsewhere."""

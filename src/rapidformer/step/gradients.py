@@ -7,16 +7,18 @@ pipeline's tied-weight sum uses :func:`align_gradients` too.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from rapidformer.distributed import process_group
-from rapidformer.distributed.tensors import local_part
+from rapidformer.distributed.tensors import is_dtensor, local_part
 from rapidformer.state import GradientSync
 from rapidformer.step.scaler_state import inverse_scale, record_unscaled
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def average_gradients(parameters: list[torch.nn.Parameter], sync: GradientSync) -> None:
@@ -45,11 +47,7 @@ def align_gradients(parameters: list[torch.nn.Parameter]) -> None:
     pipeline's tied LM head copy holds."""
     for param in parameters:
         grad = param.grad
-        if (
-            isinstance(grad, DTensor)
-            and isinstance(param, DTensor)
-            and grad.placements != param.placements
-        ):
+        if is_dtensor(grad) and is_dtensor(param) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
@@ -59,7 +57,7 @@ def unscale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> N
     refuses: the local values are unscaled and checked here, and the scaler is told the
     result as if it had done it."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads):
+    if not any(is_dtensor(g) for g in grads):
         scaler.unscale_(optimizer)
         return
     locals_ = [local_part(g) for g in grads]
@@ -93,8 +91,8 @@ def clip_gradients(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    sharded = [g for g in counted if isinstance(g, DTensor)]
-    plain = [g for g in counted if not isinstance(g, DTensor)]
+    sharded = [g for g in counted if is_dtensor(g)]
+    plain = [g for g in counted if not is_dtensor(g)]
     if not sharded and pp_group is None and plain:  # one norm, no reductions: the common case
         norm = torch.nn.utils.get_total_norm(plain, 2.0).float()
         _scale_by_norm(grads, max_norm, norm)
@@ -103,7 +101,7 @@ def clip_gradients(
     if sharded:  # DTensor norms of different meshes do not mix: one norm per mesh
         for mesh_grads in _by_mesh(sharded):
             norm = torch.nn.utils.get_total_norm(mesh_grads, 2.0)
-            squares = squares + cast(DTensor, norm).full_tensor().float() ** 2
+            squares = squares + cast("DTensor", norm).full_tensor().float() ** 2
     if plain:
         squares = squares + torch.nn.utils.get_total_norm(plain, 2.0).float() ** 2
     if pp_group is not None:

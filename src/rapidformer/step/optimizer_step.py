@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from rapidformer.distributed import process_group
+from rapidformer.loaded import instance_of
 from rapidformer.memory import StateBytes, expected_bytes
 from rapidformer.schedules import WarmupDecaySchedule
 from rapidformer.state import PlanStep, TrainState
@@ -161,7 +161,9 @@ class SteppingInner:
 
 def _applying(optimizer: Optimizer) -> Optimizer:
     """The optimizer whose ``step()`` applies ``optimizer``'s update."""
-    wrapper = isinstance(optimizer, ZeroRedundancyOptimizer | SteppingInner)
+    wrapper = isinstance(optimizer, SteppingInner) or instance_of(
+        optimizer, "torch.distributed.optim", "ZeroRedundancyOptimizer"
+    )
     return optimizer.optim if wrapper else optimizer  # type: ignore[attr-defined]
 
 

@@ -31,15 +31,14 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from rapidformer.distributed.tensors import local_part
+from rapidformer.distributed.tensors import is_dtensor, local_part
 from rapidformer.models.stages import assign_piece
 
 ADAPTER_PARAMETER = ".lora_"
@@ -50,6 +49,9 @@ SHAPE = "lora_shape"
 
 HOOK = "lora_hook"
 """The attribute holding the handle of an adapted layer's forward hook."""
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def attach(linear: nn.Module, shape: AdapterShape) -> None:
     inputs, outputs = features(linear)
     linear.add_module("lora_A", LoraProjection(inputs, shape.rank, device))
     linear.add_module("lora_B", LoraProjection(shape.rank, outputs, device))
-    if isinstance(weight, DTensor):
+    if is_dtensor(weight):
         _shard_factors(linear, weight)
     dropout = nn.Dropout(shape.dropout) if shape.dropout > 0 else nn.Identity()
     linear.add_module("lora_dropout", dropout)
@@ -127,13 +129,13 @@ def attach(linear: nn.Module, shape: AdapterShape) -> None:
 def tensor_parallel_style(weight: torch.Tensor) -> str | None:
     """``colwise`` or ``rowwise`` for a weight sharded on the output or input features of a
     one-dimensional (tensor-parallel) mesh, ``other`` for another layout, None when whole."""
-    if not isinstance(weight, DTensor):
+    if not is_dtensor(weight):
         return None
     if len(weight.placements) != 1:
         return "other"
     placement = weight.placements[0]
-    if isinstance(placement, Shard):
-        return {0: "colwise", 1: "rowwise"}.get(placement.dim, "other")
+    if placement.is_shard():
+        return {0: "colwise", 1: "rowwise"}.get(placement.dim, "other")  # type: ignore[attr-defined]
     return "other"
 
 
@@ -143,6 +145,8 @@ def _shard_factors(linear: nn.Module, weight: DTensor) -> None:
     features sharded) shards A's columns and keeps B whole. FSDP2 then shards them over the
     data-parallel ranks like the base, and checkpoints gather them like any DTensor."""
     style = tensor_parallel_style(weight)
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # loaded: a DTensor
+
     placements = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate())}
     if style not in placements:
         raise ValueError(f"a weight laid out as {weight.placements} takes no adapter")
@@ -161,7 +165,7 @@ def follow_tensor_parallel(linear: nn.Module) -> None:
     tensor-parallel layer gives: the layer's local output (a column shard, or the reduced
     whole), and an input it takes the local piece of."""
     weight = base_weight(linear)
-    if isinstance(weight, DTensor):
+    if is_dtensor(weight):
         _shard_factors(linear, weight)
     getattr(linear, HOOK).remove()
     setattr(linear, HOOK, linear.register_forward_hook(_add_adapter_term))
@@ -213,7 +217,7 @@ def init_adapter(linear: nn.Module, generator: torch.Generator) -> None:
     adapter.b.zero_()
     if adapter.magnitude is not None:
         weight = dense_weight(linear)
-        whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        whole = weight.full_tensor() if is_dtensor(weight) else weight
         assign_piece(adapter.magnitude, torch.linalg.norm(whole.float(), dim=1))
 
 
@@ -247,7 +251,7 @@ def _add_adapter_term(
     adapter = parts(linear)
     # A DTensor under torch's tensor-parallel styles: the adapter works on its local piece.
     x = adapter.dropout(local_part(args[0]))
-    if isinstance(adapter.a, DTensor):
+    if is_dtensor(adapter.a):
         return output + adapter.shape.scaling * _tensor_parallel_term(adapter, x, output)
     term = F.linear(F.linear(x, adapter.a), adapter.b)
     scaling = adapter.shape.scaling
@@ -269,10 +273,10 @@ def _tensor_parallel_term(adapter: Parts, x: torch.Tensor, output: torch.Tensor)
     whole input and gives its shard of the output, a row-parallel one sees its shard of the input
     and gives the whole (reduced) output."""
     a, b = adapter.a, adapter.b
-    assert isinstance(a, DTensor) and isinstance(b, DTensor)
+    assert is_dtensor(a) and is_dtensor(b)
     group = a.device_mesh.get_group()
     hidden = F.linear(x, a.to_local())
-    if isinstance(b.placements[0], Shard):  # column-parallel: A whole, B's rows sharded
+    if b.placements[0].is_shard():  # column-parallel: A whole, B's rows sharded
         hidden = _CopyToRanks.apply(hidden, group)
     else:  # row-parallel: each rank's columns of A give a partial sum
         hidden = _SumOverRanks.apply(hidden, group)

@@ -7,7 +7,6 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.lora.layer import (
     ADAPTER_PARAMETER,
@@ -18,6 +17,7 @@ from rapidformer.accel.lora.layer import (
 )
 from rapidformer.accel.lora.peft_format import read_base, read_tensors, tensor_shapes
 from rapidformer.config.root import RapidformerConfig
+from rapidformer.distributed.tensors import is_dtensor
 from rapidformer.errors import ConfigError
 from rapidformer.models.fingerprint import weights_fingerprint
 from rapidformer.models.stages import assign_piece
@@ -71,7 +71,7 @@ def base_fingerprint(model: nn.Module, saved: list[str]) -> str:
     starts random, and checkpoints hold it): a checkpoint of adapters refuses to resume on
     another base."""
     return weights_fingerprint(
-        (name, parameter.full_tensor() if isinstance(parameter, DTensor) else parameter)
+        (name, parameter.full_tensor() if is_dtensor(parameter) else parameter)
         for name, parameter in model.named_parameters()
         if not any(name.startswith(s + ".") for s in saved) and ADAPTER_PARAMETER not in name
     )
@@ -120,7 +120,7 @@ def refuse_non_finite_base(model: nn.Module, source: str) -> None:
     read from)."""
     for name, parameter in model.named_parameters():
         local = parameter.detach()
-        local = local.to_local() if isinstance(local, DTensor) else local
+        local = local.to_local() if is_dtensor(local) else local
         plain = type(local) is torch.Tensor and local.is_floating_point() and local.numel()
         if plain and not bool(torch.isfinite(local).all()):
             raise ConfigError.single(

@@ -28,7 +28,6 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from rapidformer.accel.moe.control import MoEControl
 from rapidformer.accel.moe.rules import moe_enabled, moe_spec
@@ -138,6 +137,8 @@ def _distribute_experts(layers: list[MoELayer], mesh: ParallelMesh) -> None:
     ep_mesh = mesh.submesh("ep")
     if ep_mesh is None:
         return
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     for layer in layers:
         layer.ep_group = ep_mesh.get_group()
         for name, param in list(layer.experts.named_parameters(recurse=False)):

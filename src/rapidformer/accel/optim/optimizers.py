@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from rapidformer.accel.optim.lamb import Lamb
 from rapidformer.config.root import RapidformerConfig
 from rapidformer.config.validate import Feature
 from rapidformer.distributed.mesh import ParallelMesh
+from rapidformer.distributed.tensors import is_dtensor
 from rapidformer.errors import ConfigError
 from rapidformer.state import PlanStep, TrainState
 
@@ -51,7 +51,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         if param.requires_grad:
             # Stacked MoE expert biases are [experts, width]: biases all the same.
             matrix = param.ndim >= 2 and not name.endswith(("experts.b1", "experts.b2"))
-            key = (matrix, isinstance(param, DTensor))
+            key = (matrix, is_dtensor(param))
             groups.setdefault(key, []).append(param)
     kinds = sorted({dtensor for _, dtensor in groups}) or [False]
     result = []

@@ -9,16 +9,17 @@ of them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from rapidformer.accel.pipeline.layout import StageLayout
-from rapidformer.distributed.tensors import local_part
+from rapidformer.distributed.tensors import is_dtensor, local_part
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class PipelinedModel(nn.Module):
@@ -87,6 +88,8 @@ def _broadcast(
         if info[2] is not None:  # a DTensor: same mesh and placements on every pipeline rank
             placements, shape, stride = info[2]
             assert tp_mesh is not None
+            from torch.distributed.tensor import DTensor  # loaded: a DTensor was sent
+
             local = DTensor.from_local(
                 local, tp_mesh, placements, shape=shape, stride=stride, run_check=False
             )
@@ -97,6 +100,6 @@ def _broadcast(
 def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
     local = local_part(tensor)
     dtensor = None
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         dtensor = (tensor.placements, tensor.shape, tensor.stride())
     return (tuple(local.shape), local.dtype, dtensor)

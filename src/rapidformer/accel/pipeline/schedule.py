@@ -36,13 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from rapidformer.accel.pipeline.inputs import (
     concatenated,
@@ -69,12 +62,14 @@ from rapidformer.state import PlanStep, TrainState, loss_context
 from rapidformer.step.gradients import align_gradients
 from rapidformer.step_io import StepFunctions, local_loss
 
-_SCHEDULES: dict[str, Any] = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "ZBV": ScheduleZBVZeroBubble,
+SCHEDULE_CLASSES = {
+    "1F1B": "Schedule1F1B",
+    "GPipe": "ScheduleGPipe",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "ZBV": "ScheduleZBVZeroBubble",
 }
+"""``--pipeline-schedule`` -> torch's class (``torch.distributed.pipelining.schedules``), which is
+imported when a pipeline is built: a run without one does not wait for it."""
 
 
 def layout_of(config: RapidformerConfig, num_layers: int, pp: int) -> StageLayout:
@@ -194,7 +189,7 @@ class PipelineForwardBackward:
 
     def _schedule(
         self, microbatches: int, args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]
-    ) -> tuple[Any, list[PipelineStage]]:
+    ) -> tuple[Any, list[Any]]:
         """One schedule (and its stages) per micro-batch count and input shapes: the stages
         size their receive buffers from the first step they run. Every pipeline rank reads the
         same batches, so they agree on the key without communicating."""
@@ -203,6 +198,8 @@ class PipelineForwardBackward:
             tuple(shapes(a) + shapes(k) for a, k in zip(args, kwargs, strict=True)),
         )
         if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, schedules
+
             layout = self.model.layout
             stages = [
                 PipelineStage(module, index, layout.num_stages, self.device, group=self.group)
@@ -210,9 +207,10 @@ class PipelineForwardBackward:
             ]
             for stage in stages:
                 _uncounted_inference(stage)
-            cls = _SCHEDULES[self.schedule_name]
-            if cls is Schedule1F1B and microbatches < layout.num_stages:
-                cls = ScheduleGPipe  # 1F1B needs m >= stages; GPipe computes the same grads
+            name = SCHEDULE_CLASSES[self.schedule_name]
+            if name == "Schedule1F1B" and microbatches < layout.num_stages:
+                name = "ScheduleGPipe"  # 1F1B needs m >= stages; GPipe computes the same grads
+            cls = getattr(schedules, name)
             first = stages[0] if layout.virtual == 1 else stages
             schedule = cls(first, microbatches, loss_fn=self._loss, scale_grads=False)
             self._schedules[key] = (schedule, stages)
@@ -244,7 +242,7 @@ class PipelineForwardBackward:
         self._schedules.clear()
 
 
-def _uncounted_inference(stage: PipelineStage) -> None:
+def _uncounted_inference(stage: Any) -> None:
     """A stage infers its output shapes by one extra forward on placeholder values before
     its first step: MoE layers must not count it as a micro-batch.
 
@@ -257,7 +255,7 @@ def _uncounted_inference(stage: PipelineStage) -> None:
         with uncounted():
             return infer(*args, **kwargs)
 
-    stage._forward_metadata_inference = quietly  # type: ignore[method-assign]
+    stage._forward_metadata_inference = quietly
 
 
 def apply_pipeline(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
