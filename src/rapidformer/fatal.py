@@ -59,15 +59,17 @@ def report(exc: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(exc)
     rank, local_rank = _ranks()
-    if isinstance(exc, ConfigError | DataError) and local_rank != 0:
-        # The ranks of one machine find the same one (the same flags, files and devices):
-        # its first rank says it. Another machine's first rank still does, so a file
-        # missing on one machine only is never silent.
+    if isinstance(exc, ConfigError) and local_rank != 0:
+        # The ranks of one machine find the same one (the same flags and devices): its first
+        # rank says it. Another machine's first rank still does.
         _wait_until_said()
         return exit_code_of(exc)
+    if isinstance(exc, DataError) and local_rank != 0 and _wait_until_said() == str(exc):
+        return exit_code_of(exc)  # the same file's same fault, said by the first rank
+    # A data error only this rank met (its own shard, say) is said by this rank.
     code = _say(exc, rank, debug)
     if isinstance(exc, ConfigError | DataError) and local_rank == 0:
-        _tell_said()
+        _tell_said(str(exc))
     return code
 
 
@@ -118,28 +120,30 @@ def _said_key() -> tuple[Store, str] | None:
     return store, f"said/{agent}"
 
 
-def _wait_until_said() -> None:
-    """A silent rank leaves only once its machine's first rank said the error: torchrun's
+def _wait_until_said() -> str | None:
+    """What the machine's first rank said (None outside torchrun, or when it said nothing
+    within :data:`SAID_WAIT_S`). A silent rank leaves only once that rank spoke: torchrun's
     agent stops every worker when the first one exits, and a silent rank that exited first
     had the speaking one killed mid-sentence (seen: exit 2 and no message)."""
     found = _said_key()
     if found is None:
-        return
+        return None
     store, key = found
     try:
         store.wait([key])
-    except Exception:  # noqa: BLE001 (the first rank died or hangs: leave all the same)
-        return
+        return store.get(key).decode()
+    except Exception:  # noqa: BLE001 (the first rank died, hangs or met nothing: say it here)
+        return None
 
 
-def _tell_said() -> None:
-    """The first rank of a machine has said the error (see :func:`_wait_until_said`)."""
+def _tell_said(message: str) -> None:
+    """The first rank of a machine has said ``message`` (see :func:`_wait_until_said`)."""
     found = _said_key()
     if found is None:
         return
     store, key = found
     try:
-        store.set(key, "1")
+        store.set(key, message)
     except Exception:  # noqa: BLE001 (nobody may be waiting: the message is out)
         return
 
