@@ -16,7 +16,7 @@ ADAPTER_MODES: dict[str, dict[str, Any]] = {
 }
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
-LLAMA_TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+LLAMA_TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
 

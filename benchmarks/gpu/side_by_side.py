@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidformer import RapidformerConfig, RapidformerEngine
+from rapidformer.accel.compile import apply as compile_apply
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.step_io import StepFunctions
 
@@ -147,11 +148,13 @@ class HandLoop:
             return next_token_loss(logits_of(self.model, ids[:, :-1]), ids)
 
         self.loss: Callable[[torch.Tensor], torch.Tensor] = loss
+        # The engine's backend on both sides (a dry run swaps in aot_eager; suite.py).
+        backend = compile_apply.BACKEND
         if scope == "blocks":
             for block in row.blocks(model):
-                block.compile(dynamic=False)
+                block.compile(backend=backend, dynamic=False)
         elif scope == "model":
-            self.loss = torch.compile(loss, dynamic=False)
+            self.loss = torch.compile(loss, backend=backend, dynamic=False)
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16):

@@ -323,6 +323,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 rows are fp32, as the table says
+    if args.dry_run:
+        # The code paths, not the kernels: dynamo's graphs as on the GPU (graph counts and
+        # fallbacks), without inductor's C++ builds (minutes on a CPU; tests/accel/compile checks
+        # inductor's numbers). The plan rows name the backend.
+        from rapidformer.accel.compile import apply as compile_apply
+
+        compile_apply.BACKEND = "eager"
     sections: dict[str, Any] = {}
     for name in args.only or list(SECTIONS):
         started = time.perf_counter()
