@@ -38,6 +38,7 @@ from rapidformer.safe_load import (
 from rapidformer.testing import run_distributed
 from rapidformer.testing.families import tiny_model
 from rapidformer.testing.finetune import task_dataset
+from tests.helpers.grouped_launch import Case, Launches
 from tests.helpers.trainers import DETERMINISTIC_SCRIPT, ROOT, TINY_FLAGS
 
 CHECKPOINT_EXIT = exit_code_of(CheckpointError("a bad checkpoint"))
@@ -228,11 +229,17 @@ def test_deepspeed_checkpoints_scan_clean_and_a_payload_is_refused(tmp_path: Pat
 
     marker = tmp_path / "MARKER"
     common = ("--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "2")
+    # The three stages in one launch: its imports take far longer than 2 steps of each.
+    cases: dict[str, Case] = {}
     for stage in (1, 2, 3):
-        save = tmp_path / f"zero{stage}"
-        flag = f"--zero-{stage}-memory-optimization"
-        run_distributed(_fit, 2, *common, flag, "--zero-backend", "deepspeed", "--save", str(save))
-        files = deepspeed_files(save / "iter_0000002")
+        flag, save = f"--zero-{stage}-memory-optimization", str(tmp_path / f"zero{stage}")
+        cases[f"zero{stage}"] = (
+            _fit,
+            (*common, flag, "--zero-backend", "deepspeed", "--save", save),
+        )
+    runs = Launches(2, tmp_path, [cases])
+    for stage in (1, 2, 3):
+        files = deepspeed_files(runs.check(f"zero{stage}") / "iter_0000002")
         assert files, stage
         for file in files:  # every global of a real DeepSpeed checkpoint is on the allowlist
             scan_file(file)
@@ -245,6 +252,7 @@ def test_deepspeed_checkpoints_scan_clean_and_a_payload_is_refused(tmp_path: Pat
     assert done.returncode != 0 and str(target) in done.stderr, done.stderr[-3000:]
     assert "posix.system" in done.stderr and "--trust-checkpoint" in done.stderr
     assert not marker.exists()
+    runs.join()  # the launch has long ended: nothing of it outlives the test
 
 
 # ---- Hugging Face directories --------------------------------------------------------------
