@@ -44,7 +44,7 @@ format: $(STAMP)
 test: $(STAMP) lint docs-site
 	$(PY) -m pytest -q --durations=20
 
-# The edit loop's tier, under 5 minutes: every test measured under 8 s in tests/durations.json.
+# The edit loop's tier, under 5 minutes: every test measured under 5 s in tests/durations.json.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=10
 

@@ -136,6 +136,7 @@ def test_save_keep_counts_only_whole_checkpoints(tmp_path: Path) -> None:
 
 
 KILL_FLAGS = ("--train-iters", "40", "--micro-batch-size", "4", "--save-interval", "1")
+KILLS = 12
 
 
 def _command(save: Path, *extra: str) -> list[str]:
@@ -149,11 +150,13 @@ def _steps_logged(save: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
 
-def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
+def test_kill_9_at_random_moments_a_dozen_times_then_the_same_final_weights(
     tmp_path: Path,
 ) -> None:
     """Half the attempts with --async-save: the end equals an uninterrupted synchronous run's
-    (background checkpoints hold what synchronous ones do)."""
+    (background checkpoints hold what synchronous ones do). Twelve kills (each a fresh process
+    of about 5 s) with the seeded draws reach four kills while a checkpoint is staged, one of
+    them a background write's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_SLOW_SAVES": "0.02"}
     reference = tmp_path / "reference"
     done = subprocess.run(_command(reference), env=env, capture_output=True, text=True)
@@ -161,7 +164,7 @@ def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
 
     save, rng, resumes, mid_save, newest = tmp_path / "killed", random.Random(0), 0, 0, 0
     mid_background = 0
-    for attempt in range(20):
+    for attempt in range(KILLS):
         # Every other attempt writes its checkpoints in the background (--async-save): those
         # kills can land while the thread writes and training goes on.
         background = ("--async-save",) if attempt % 2 else ()
@@ -196,7 +199,7 @@ def test_kill_9_at_random_moments_twenty_times_then_the_same_final_weights(
         newest = step
     final = subprocess.run(_command(save), env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-2000:]
-    assert resumes == 20 and mid_save >= 3 and mid_background >= 1, (resumes, mid_save)
+    assert resumes == KILLS and mid_save >= 3 and mid_background >= 1, (resumes, mid_save)
     print(
         f"kill -9 loop: {resumes} kills ({mid_save} while a checkpoint was staged, "
         f"{mid_background} of them by a background write), resumed"

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from rapidformer.accel.compile import apply as compile_apply
 from rapidformer.testing import run_distributed
 from tests.helpers.parity import PARITY, train_gpt
 
@@ -88,6 +89,10 @@ def _overflow_on_the_last_stage(state: Any, index: int) -> None:
 
 def _two(out: str, checkpoint: str) -> None:
     torch.set_num_threads(1)
+    # Compile composes with tensor and pipeline parallelism through dynamo's graphs and AOT
+    # autograd's split; inductor's kernels are checked against eager on one process
+    # (tests/accel/compile), since a cold C++ build on each rank costs a minute here.
+    compile_apply.BACKEND = "aot_eager"
     for name, layout in TWO_RANKS.items():
         _write(Path(out), name, train_gpt(layout))
     for name, layout in RAGGED.items():

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 DURATIONS = Path(__file__).parents[1] / "durations.json"
-SLOW_S = 8.0
+SLOW_S = 5.0
 """Measured seconds from which a test belongs to the slow tier."""
 LIMIT_S = 60.0
 """Measured seconds a single test may take, unless it is listed in :data:`LONG`."""

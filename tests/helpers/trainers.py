@@ -6,9 +6,10 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from rapidformer import parse_args
-from rapidformer.cli import load_trainer_class
+from rapidformer.cli import load_trainer_class, main
 from rapidformer.templates.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,19 @@ def shell_env(**extra: str) -> dict[str, str]:
     variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     return {**env, **extra}
+
+
+def run_cli(argv: list[str], **env: str) -> int:
+    """``rapidformer ARGV`` in this process, as from a shell (no launcher's variables; one
+    thread per rank; ``env`` added): its exit code. With ``--nproc-per-node N`` the launcher
+    still spawns N worker processes, so a multi-rank run costs no third interpreter."""
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", **env}):
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        try:
+            return main(argv)
+        except SystemExit as exit:  # argparse's own errors
+            return exit.code if isinstance(exit.code, int) else 1
 
 
 def tiny_trainer(*flags: str, dropout: float = 0.0, **options: Any) -> Trainer:

@@ -5,8 +5,6 @@ mean cross-entropy of exactly the assistant's tokens, and a black-box run learns
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from rapidformer.cli import main
 from rapidformer.templates.tasks import CausalLM
 from rapidformer.templates.tasks.supervised import ChatOptions
 from rapidformer.testing.chat import CHATML, chat_dataset, tiny_chat_model
-from tests.helpers.trainers import read_losses, shell_env
+from tests.helpers.trainers import read_losses, run_cli
 
 TAGGED = (
     "{%- for m in messages -%}"
@@ -187,17 +185,14 @@ def test_packed_runs_resume_exactly_and_match_one_process_on_ddp_zero3_and_tp2(
     assert main([*resumed, "--save", str(tmp_path / "resumed")]) == 0
     one, again = read_losses(tmp_path / "one"), read_losses(tmp_path / "resumed")
     assert again.keys() == {4, 5, 6} and all(again[s] == one[s] for s in again)
-    env = shell_env(OMP_NUM_THREADS="1")
     layouts = {
         "ddp": [],
         "zero3": ["--sharding", "zero3"],
         "tp2": ["--tensor-model-parallel-size", "2"],
     }
     for name, layout in layouts.items():
-        command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags,
-                   *layout, "--save", str(tmp_path / name)]  # fmt: skip
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-        assert run.returncode == 0, run.stderr[-3000:]
+        two_ranks = ["--nproc-per-node", "2", *flags, *layout, "--save", str(tmp_path / name)]
+        assert run_cli(two_ranks) == 0  # the workers' stderr is captured
         two = read_losses(tmp_path / name)
         gap = max(abs(one[s] - two[s]) for s in one)
         print(name, "largest loss gap to one process:", gap)

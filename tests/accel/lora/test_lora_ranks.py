@@ -5,19 +5,15 @@ process."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rapidformer.cli import main
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import read_losses, run_cli
 
 TOLERANCE = 1e-5
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _flags(model: Path, data: Path, save: Path, steps: int, variant: str = "dora") -> list[str]:
@@ -31,9 +27,7 @@ def _flags(model: Path, data: Path, save: Path, steps: int, variant: str = "dora
 
 
 def _two_ranks(flags: list[str]) -> None:
-    command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2", *flags]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run_cli(["--nproc-per-node", "2", *flags]) == 0  # the workers' stderr is captured
 
 
 @pytest.mark.distributed

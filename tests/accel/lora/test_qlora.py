@@ -5,9 +5,6 @@ ranks (DDP, and ZeRO-3 sharding the NF4 weights) that compute what one process d
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +15,10 @@ from rapidformer.accel.lora.layer import adapted_layers
 from rapidformer.accel.lora.quantize import is_nf4
 from rapidformer.memory import held_bytes
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import read_losses, run_cli
 
 pytest.importorskip("torchao")
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TOLERANCE = 1e-5
 """Measured: 0.0 for both layouts (two ranks run the single process's micro-batches with the
 same kernels). Before DDP was told to leave the NF4 weights alone, its broadcast damaged rank
@@ -71,17 +67,19 @@ def test_the_base_is_held_in_nf4_and_the_adapters_learn(
 
 
 @pytest.mark.distributed
-def test_two_ranks_compute_what_one_process_does(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_two_ranks_compute_what_one_process_does(
+    inputs: tuple[Path, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     nf4 = ("--quantize-base", "nf4")
     one = Finetuner(parse_args(_flags(inputs, tmp_path / "one", 4, *nf4)))
     one.fit()
     reference = read_losses(tmp_path / "one")
     for name, extra in (("ddp", ()), ("zero3", ("--zero-3-memory-optimization",))):
-        command = [sys.executable, "-m", "rapidformer", "--nproc-per-node", "2"]
-        command += _flags(inputs, tmp_path / name, 4, *nf4, *extra)
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert "NF4 (torchao) for 14 adapted layers" in run.stderr
+        capfd.readouterr()
+        flags = _flags(inputs, tmp_path / name, 4, *nf4, *extra)
+        code, said = run_cli(["--nproc-per-node", "2", *flags]), capfd.readouterr().err
+        assert code == 0, said[-3000:]
+        assert "NF4 (torchao) for 14 adapted layers" in said
         losses = read_losses(tmp_path / name)
         gap = max(abs(losses[step] - reference[step]) for step in reference)
         print(name, "largest loss gap to one process:", gap)
