@@ -187,6 +187,9 @@ def test_a_causal_lm_is_planned_from_its_config_packed_rows_and_all(
         assert "LlamaForCausalLM from" in said and "--data-dir" in said  # no such directory
         shape = "4 packed rows of 256 tokens" if packing else "4 samples padded to 256 tokens"
         assert shape in said
+        # A small model's figures in MiB (in GiB each read 0.00), one micro-batch in the singular.
+        assert "memory per rank (MiB;" in said and "0.00 MiB" not in said, said
+        assert "1 micro-batch per step per rank" in said, said
     assert activations[True] != activations[False] and all(activations.values())
     assert main([*flags, "--tensor-model-parallel-size", "2", "--dry-run-world-size", "2"]) == 2
     assert "tensor-parallel plan while its weights load" in capsys.readouterr().err

@@ -81,7 +81,7 @@ def test_the_command_exits_75_on_sigterm_and_warns_without_save(tmp_path: Path) 
     assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
     # Without --save the run says at start that a signal would lose it, and dies of it.
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert "no --save: a stop signal" in run.stderr
+    assert "no --save: no model or checkpoint of this run will be written" in run.stderr
     assert run.returncode == -15  # SIGTERM's default action
 
 

@@ -135,9 +135,14 @@ def test_packing_scores_the_same_tokens_as_padding(
         *("--eval-interval", "1", "--lr-warmup-fraction", "0"),
     ]
     assert main([*flags, "--save", str(tmp_path / "padded")]) == 0
+    said = capfd.readouterr().err
+    assert f"data: {data}: train 48 samples, validation 8 samples" in said  # no "(-)"
+    assert "fixed shape (as the collate function pads)" in said
     assert main([*flags, "--packing", "--save", str(tmp_path / "packed")]) == 0
     said = capfd.readouterr().err
     assert "train: 48 samples packed into" in said and "validation: 8 samples packed" in said
+    assert "packed rows, validation" in said  # the data line counts rows, not samples
+    assert f"fixed shape: packed rows of {SEQ} tokens" in said
     assert abs(_eval_loss(tmp_path / "packed") - _eval_loss(tmp_path / "padded")) <= 1e-5
     packed, padded = (_eval_record(tmp_path / name) for name in ("packed", "padded"))
     assert abs(packed["perplexity"] / padded["perplexity"] - 1) <= 1e-5
@@ -219,7 +224,9 @@ def test_rendered_samples_are_cached_beside_the_dataset(
 
     first, second = prepare(), prepare()
     assert not any("cache" in note for note in first.extra["notes"])
-    assert any("read from the cache" in note for note in second.extra["notes"])
+    said = [note for note in second.extra["notes"] if "read from the cache" in note]
+    assert len(said) == 1 and said[0].startswith("train: rendered samples read from the cache ")
+    assert "/" not in said[0] and "rapidformer-chat-" in said[0]  # the file's name, not the path
     assert second.rows == first.rows
     other = prepare(chat_template=template.read_text() + " ")
     shorter = prepare(seq_length=64)

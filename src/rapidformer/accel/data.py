@@ -65,7 +65,7 @@ def rebuild_loader(
 def apply_data(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh) -> TrainState:
     dims = mesh.dims
     train = state.train_dataloader
-    shape = "fixed shape (as the collate function pads)"
+    shape = _fixed_shape(train)
     if train is not None and not isinstance(train.sampler, ResumableDistributedSampler):
         if train.batch_size is None:
             raise ValueError("compose() needs a DataLoader with a batch_size (not a batch_sampler)")
@@ -97,6 +97,17 @@ def apply_data(state: TrainState, config: RapidformerConfig, mesh: ParallelMesh)
     return state
 
 
+def _fixed_shape(train: DataLoader | None) -> str:
+    """The plan's words for batches of one shape: a collate function may say what it makes
+    (packed rows), else it pads."""
+    said = getattr(train.collate_fn, "shape", None) if train is not None else None
+    return (
+        f"fixed shape: {said}"
+        if isinstance(said, str)
+        else ("fixed shape (as the collate function pads)")
+    )
+
+
 def _train_order(
     train: DataLoader, config: RapidformerConfig, dims: ParallelDims, shuffle: bool
 ) -> tuple[ResumableDistributedSampler, Any, str]:
@@ -113,7 +124,7 @@ def _train_order(
         **common,
     )
     if config.data.data_iterator == "fixed-shape":
-        return fixed, None, "fixed shape (as the collate function pads)"
+        return fixed, None, _fixed_shape(train)
     lengths = getattr(train.dataset, "lengths", None)
     if lengths is None or not accepts_pad_to(train.collate_fn):
         raise ConfigError.single(

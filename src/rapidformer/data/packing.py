@@ -120,6 +120,8 @@ class PackedCollate:
     def __init__(self, length: int, pad_id: int) -> None:
         self.length = length
         self.pad_id = pad_id
+        self.shape = f"packed rows of {length} tokens (each holds several samples)"
+        """What a batch looks like, for the plan's data line."""
 
     def __call__(self, rows: Sequence[Mapping[str, Any]], pad_to: int | None = None) -> Any:
         return collate_packed(rows, self.length, self.pad_id)

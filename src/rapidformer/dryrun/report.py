@@ -9,6 +9,13 @@ from rapidformer.dryrun.estimate import RankMemory
 from rapidformer.dryrun.fit import USABLE_FRACTION, fits
 
 GIB = 2**30
+MIB = 2**20
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    """GiB, or MiB where the largest figure is under 1 GiB (a small model's figures would all
+    read 0.00 GiB)."""
+    return ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,8 @@ class DryRunReport:
         lines = [
             f"rapidformer dry run: {self.model}",
             f"  {self.world_size} ranks ({self.layout}), {self.precision}, recompute "
-            f"{self.recompute}, {self.micro_batches_per_step} micro-batches per step per rank",
+            f"{self.recompute}, {_micro_batches(self.micro_batches_per_step)} per step "
+            "per rank",
             "plan (rank 0):",
             *[f"  {i}. {step}" for i, step in enumerate(self.plan, 1)],
             "not simulated: " + "; ".join(self.not_simulated),
@@ -88,13 +96,14 @@ class DryRunReport:
         which = "every rank" if self.simulated_all_ranks else "each pipeline position's first "
         if not self.simulated_all_ranks:
             which += "and last data-parallel rank"
-        lines.append(f"memory per rank (GiB; simulated: {which}):")
-        for label, rank in (("worst", self.worst), ("best", self.best)):
-            lines.append(f"  {label} {_rank_line(rank)}")
         worst = self.worst
+        unit, size = _unit(worst.total)
+        lines.append(f"memory per rank ({unit}; simulated: {which}):")
+        for label, rank in (("worst", worst), ("best", self.best)):
+            lines.append(f"  {label} {_rank_line(rank, size)}")
         lines.append(
-            f"  activations: {worst.micro_batch.peak / GIB:.2f} GiB at the peak of one "
-            f"micro-batch ({worst.micro_batch.kept / GIB:.2f} kept after its forward), "
+            f"  activations: {worst.micro_batch.peak / size:.2f} {unit} at the peak of one "
+            f"micro-batch ({worst.micro_batch.kept / size:.2f} kept after its forward), "
             f"{worst.in_flight} in flight"
         )
         lines.append(f"  buffers: {worst.buffers_what}")
@@ -113,8 +122,8 @@ class DryRunReport:
             for suggestion in self.suggestions:
                 mark = "fits" if suggestion.fits else "no"
                 lines.append(
-                    f"  {suggestion.switches}: {suggestion.worst_total / GIB:.2f} GiB ({mark})  "
-                    + " ".join(suggestion.flags)
+                    f"  {suggestion.switches}: {suggestion.worst_total / size:.2f} {unit} "
+                    f"({mark})  " + " ".join(suggestion.flags)
                 )
             if not self.suggestions[-1].fits:
                 lines.append("  nothing on this ladder fits: more ranks, or a smaller micro-batch")
@@ -122,17 +131,21 @@ class DryRunReport:
         return "\n".join(lines)
 
 
-def _rank_line(rank: RankMemory) -> str:
+def _micro_batches(number: int) -> str:
+    return "1 micro-batch" if number == 1 else f"{number} micro-batches"
+
+
+def _rank_line(rank: RankMemory, size: int) -> str:
     position = ", ".join(f"{axis} {index}" for axis, index in rank.position.items())
     state = rank.state
     where = (
-        f", of which {rank.offloaded / GIB:.2f} in host memory (--cpu-offload)"
+        f", of which {rank.offloaded / size:.2f} in host memory (--cpu-offload)"
         if rank.offloaded
         else ""
     )
     return (
-        f"rank {rank.rank} ({position}): total {rank.total / GIB:.2f} = model state "
-        f"{state.total / GIB:.2f}{where} [parameters {state.parameters / GIB:.2f}, gradients "
-        f"{state.gradients / GIB:.2f}, optimizer {state.optimizer / GIB:.2f}] + buffers "
-        f"{rank.buffers / GIB:.2f} + activations {rank.activations / GIB:.2f}"
+        f"rank {rank.rank} ({position}): total {rank.total / size:.2f} = model state "
+        f"{state.total / size:.2f}{where} [parameters {state.parameters / size:.2f}, gradients "
+        f"{state.gradients / size:.2f}, optimizer {state.optimizer / size:.2f}] + buffers "
+        f"{rank.buffers / size:.2f} + activations {rank.activations / size:.2f}"
     )

@@ -258,8 +258,10 @@ class Finetuner(Trainer):
             prepared = {name: packed(f, self.seq_length) for name, f in prepared.items()}
             collate = PackedCollate(self.seq_length, self.task.pad_id)
         if self.engine.is_main_process:
-            sizes = ", ".join(f"{n} {len(d)}" for n, d in prepared.items())
-            log.info("data: %s (%s), %s features", data.data_dir, data.data_name or "-", sizes)
+            unit = "packed rows" if data.packing else "samples"
+            sizes = ", ".join(f"{n} {len(d)} {unit}" for n, d in prepared.items())
+            name = f" ({data.data_name})" if data.data_name else ""
+            log.info("data: %s%s: %s", data.data_dir, name, sizes)
             for features in prepared.values():
                 for note in features.extra.get("notes", ()):
                     log.info("data: %s", note)

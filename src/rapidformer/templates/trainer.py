@@ -243,8 +243,9 @@ class Trainer(ABC):
         )
         if cfg.checkpoint.save is None and engine.is_main_process:
             log.warning(
-                "no --save: a stop signal (SIGTERM, SIGINT, SIGUSR1) ends this run without a "
-                "checkpoint; pass --save DIR to survive preemption"
+                "no --save: no model or checkpoint of this run will be written, and a stop "
+                "signal (SIGTERM, SIGINT, SIGUSR1) ends it with nothing kept; pass --save DIR "
+                "to keep the model and survive preemption"
             )
         signals = engine.watch_signals() if cfg.checkpoint.save else contextlib.nullcontext()
         saves = RunSaves(cfg, engine.request_stop)

@@ -147,7 +147,9 @@ def supervised_features(
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             problem = f"unreadable ({type(exc).__name__})"
         if problem is None:
-            notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache}"]
+            # Its name only: the folder is the dataset's own Arrow cache, a path of some 150
+            # characters that every split would repeat.
+            notes = [*saved["notes"], f"{split}: rendered samples read from the cache {cache.name}"]
             return Features(saved["rows"], split, notes=notes)
         log.warning("the cache %s %s: the %s split is rendered again", cache, problem, split)
     features = _render_split(rows, split, tokenizer, seq_length, options)
