@@ -138,3 +138,23 @@ def test_peak_table_and_precision_hints(monkeypatch: pytest.MonkeyPatch) -> None
     assert "avx512_fp16 but no AMX-FP16" in str(precision_support(cpu, "fp16")[1])
     monkeypatch.setattr("rapidformer.hardware.cpu_features", lambda: ["avx512_fp16", "amx_fp16"])
     assert precision_support(cpu, "fp16")[1] is None
+
+
+def test_a_cpu_without_units_for_the_precision_takes_the_fp32_units_as_its_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 probe on a CPU without bf16 units came out below what a bf16 run reaches (MFU
+    1.026): the fp32 units' probe bounds it, labelled; with units, the precision's own."""
+    from rapidformer.hardware import device_peak
+
+    rates = {"fp32": 0.03, "bf16": 0.0005}
+    monkeypatch.setattr("rapidformer.hardware.probe_cpu_tflops", lambda p: rates[p])
+    monkeypatch.setattr("rapidformer.hardware.cpu_features", lambda: ["avx2"])
+    cpu = torch.device("cpu")
+    peak = device_peak(cpu, "bf16", None)
+    assert peak.tflops == 0.03 and "fp32 1024^2 matmul probe" in peak.source, peak
+    assert "bf16 has no matrix units here" in peak.source
+    monkeypatch.setattr("rapidformer.hardware.cpu_features", lambda: ["avx512_bf16"])
+    rates["bf16"] = 0.06
+    assert device_peak(cpu, "bf16", None).tflops == 0.06
+    assert device_peak(cpu, "bf16", 2.0).tflops == 2.0  # --peak-tflops wins

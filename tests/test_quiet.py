@@ -73,6 +73,7 @@ def test_rapidformer_imports_no_optional_engine_unless_switched_on(tmp_path: Pat
         *("--task", "pretraining", "--num-layers", "2", "--hidden-size", "32"),
         *("--num-attention-heads", "4", "--seq-length", "32", "--lr", "1e-3"),
         *("--train-iters", "2", "--micro-batch-size", "2", *data.flags()),
+        *("--save", str(tmp_path / "run")),
     ]
     engines = ("deepspeed", "onnxruntime", "onnx", "torchao", "liger_kernel")
     code = (
@@ -86,6 +87,13 @@ def test_rapidformer_imports_no_optional_engine_unless_switched_on(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
+    # Its export is as quiet as the run: its one line, no progress bar or engine notice.
+    done = subprocess.run(
+        [sys.executable, "-m", "rapidformer.export", str(tmp_path / "run"), str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout + done.stderr).splitlines() == [f"exported to {tmp_path / 'hf'}"], done
 
 
 def test_making_a_tiny_model_offline_prints_nothing(tmp_path: Path) -> None:

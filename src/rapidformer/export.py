@@ -36,6 +36,7 @@ from rapidformer.config.schema import DataConfig
 from rapidformer.data.tokenizers import build_tokenizer, is_bert
 from rapidformer.engine.order import FROZEN_BASE_EXPORT as ADDITIONS
 from rapidformer.errors import CheckpointError, ConfigError, exit_code_of
+from rapidformer.quiet import quiet_third_parties
 from rapidformer.templates.families import family_for
 
 
@@ -220,7 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             help=f"the {what} file where it is now, when it has moved since the run "
             "(default: the file the run named)",
         )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show what transformers, the hub and DeepSpeed print (progress bars, notices)",
+    )
     args = parser.parse_args(argv)
+    quiet_third_parties(args.verbose)  # as quiet as a run: its output is the last line
     try:
         out = export_checkpoint(
             args.checkpoint,

@@ -101,6 +101,18 @@ def device_peak(device: torch.device, precision: str, override: float | None) ->
         return Peak(value, f"{name} {precision} dense peak (data sheet)")
     if device.type == "cpu":
         value = probe_cpu_tflops(precision)
+        if precision != "fp32" and precision_support(device, precision)[1] is not None:
+            # No matrix units for it here: its products are emulated through fp32 units,
+            # while a run's autocast keeps other work in fp32, so a peak probed in it alone
+            # sits too low (MFU came out above 1). The fp32 units bound both.
+            fp32 = probe_cpu_tflops("fp32")
+            if fp32 > value:
+                return Peak(
+                    fp32,
+                    f"measured: fp32 1024^2 matmul probe on this CPU ({precision} has no "
+                    f"matrix units here; its own probe, {value:.3g}, sits below what a run "
+                    "reaches)",
+                )
         return Peak(value, f"measured: {precision} 1024^2 matmul probe on this CPU")
     return Peak(None, f"no peak known for {device.type}: pass --peak-tflops for MFU")
 

@@ -145,6 +145,8 @@ def test_every_tracker_holds_what_metrics_jsonl_holds(tmp_path: Path) -> None:
     assert mlflow == expected
     assert run.data.params["training.train_iters"] == "4"
     assert run.data.params["logging.report_to"] == "all"
+    # The resolved config: the global batch the run computed (micro 4 x dp 1), not None.
+    assert run.data.params["data.global_batch_size"] == run.data.params["data.micro_batch_size"]
     (wandb,) = _wandb(save).values()
     assert wandb["values"] == expected
     assert wandb["config"]["training"]["train_iters"] == 4 and "run_plan" in wandb["config"]

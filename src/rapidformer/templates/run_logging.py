@@ -27,8 +27,15 @@ def open_logger(
 ) -> MetricsLogger:
     """The run's logger (it reports on rank 0 only); ``progress.trackers`` then holds the
     trackers' run ids, which the checkpoints keep."""
+    # The trackers hold the config the run resolved: the global batch it computes, not None.
+    data = config.data
+    resolved = config.replace(
+        global_batch_size=engine.dims.global_batch_size(
+            data.micro_batch_size, data.global_batch_size
+        )
+    )
     trackers = TrackerSetup.of(
-        config,
+        resolved,
         plan=[str(line) for line in state.plan],
         resume_ids=progress.trackers,
         start_step=progress.step,
