@@ -202,15 +202,28 @@ def _launcher_refuses(case: Case, inputs: Inputs, tmp_path: Path) -> bool:
     return False
 
 
-CHECKED_BY_WORKERS = ("no-length", "batch-not-multiple", "adapter-alpha-nan")
-"""Configuration errors of a user script's run on two ranks: its workers find them, rank 0
-says them (a flag, a combination, an adapter's file)."""
+CHECKED_BY_WORKERS = (
+    "no-length",
+    "batch-not-multiple",
+    "adapter-alpha-nan",
+    "qlora-quantizes-nothing",
+)
+"""Configuration errors of a run on two ranks that its workers find, rank 0 says: a user
+script's flag, a combination, an adapter's file, and what needs the model (QLoRA with no
+layer to quantize)."""
 
-FOUND_BY_THE_WORKERS = ("save-lock-is-a-link", "checkpoint-step-past-the-end", "line-over-16-mib")
-"""Cases that are no configuration error, one of each kind the workers find (the save
-directory, a checkpoint, the data): the job still says each once with exit 2. Every rank
-reaches them through one path (fatal.report_uncaught, said once per machine), so one per kind
-shows it; each case's own message is checked in-process by tests/test_bad_inputs.py."""
+FOUND_BY_THE_WORKERS = (
+    "save-lock-is-a-link",
+    "checkpoint-latest-not-text",
+    "checkpoint-latest-foreign",
+    "checkpoint-step-past-the-end",
+    "line-over-16-mib",
+    "chat-no-assistant-turn",
+    "chat-nothing-left-after-dropping",
+)
+"""Cases that are no configuration error (a file, a checkpoint, the data): the workers find
+them, and the job still says each once with exit 2 (the first rank says it; a later rank
+only what it alone met)."""
 
 
 @pytest.mark.distributed

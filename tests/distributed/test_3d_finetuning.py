@@ -4,9 +4,6 @@ the one-process losses; a model without a plan is refused before anything is bui
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +12,7 @@ from rapidformer import Finetuner, parse_args
 from rapidformer.cli import main
 from rapidformer.errors import ConfigError
 from rapidformer.testing.finetune import task_dataset, tiny_model
-from tests.helpers.trainers import read_losses
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+from tests.helpers.trainers import launched, read_losses
 
 
 def _flags(model: Path, data: Path) -> list[str]:
@@ -30,19 +25,16 @@ def _flags(model: Path, data: Path) -> list[str]:
 
 
 @pytest.mark.distributed
-def test_llama_under_tp2_fine_tunes_like_one_process(tmp_path: Path) -> None:
+def test_llama_under_tp2_fine_tunes_like_one_process(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     model = tiny_model("llama", tmp_path / "llama")
     data = task_dataset("casual_lm", tmp_path / "data", train=128, validation=16)
     flags = _flags(model, data)
     assert main([*flags, "--save", str(tmp_path / "one")]) == 0
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
-        *("-m", "rapidformer", *flags, "--tensor-model-parallel-size", "2"),
-        *("--save", str(tmp_path / "tp2")),
-    ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "tensor parallel: transformers tp_plan" in run.stderr
+    tp2 = ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2")]
+    said = launched(["--nproc-per-node", "2", *flags, *tp2], capfd)
+    assert "tensor parallel: transformers tp_plan" in said
     one, tp2 = read_losses(tmp_path / "one"), read_losses(tmp_path / "tp2")
     assert one.keys() == tp2.keys() == set(range(1, 7))
     assert max(abs(one[s] - tp2[s]) for s in one) <= 1e-5

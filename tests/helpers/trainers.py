@@ -64,6 +64,17 @@ def run_cli(argv: list[str], **env: str) -> int:
             return exit.code if isinstance(exit.code, int) else 1
 
 
+def launched(argv: list[str], capfd: Any) -> str:
+    """``rapidformer ARGV`` (a ``--nproc-per-node N`` launch) through :func:`run_cli`,
+    asserted to exit 0: what it and its workers wrote to stderr (``capfd``: pytest's
+    fd-level capture, which the workers' output reaches)."""
+    capfd.readouterr()
+    code = run_cli(argv)
+    said = capfd.readouterr().err
+    assert code == 0, said[-3000:]
+    return str(said)
+
+
 def tiny_trainer(*flags: str, dropout: float = 0.0, **options: Any) -> Trainer:
     """The example's DemoTrainer on 64 training samples, configured by ``flags``;
     ``options``: the Trainer's own keyword arguments (``callbacks``, ``report_to``)."""

@@ -5,9 +5,6 @@ same metrics as one process, and bad input is named."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ from rapidformer.cli import main
 from rapidformer.errors import ConfigError, DataError
 from rapidformer.testing.breadth import reload_gap
 from rapidformer.testing.finetune import task_dataset, tiny_model
+from tests.helpers.trainers import launched
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 COMMON = ["--seq-length", "64", "--micro-batch-size", "16", "--log-interval", "50"]
 
 
@@ -125,7 +122,7 @@ def _task_flags(task: str, model: Path, data: Path, steps: int) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("task", ["sequence_classification", "question_answering"])
 def test_two_rank_fine_tuning_computes_the_single_process_metrics(
-    task: str, models: dict[str, Path], tmp_path: Path
+    task: str, models: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     # 97 validation rows: ranks hold 49 and 48; QA windows of one example may split across them.
     # Training stays on whole epochs of an even size (classification: 2 epochs of 512) or inside
@@ -136,13 +133,8 @@ def test_two_rank_fine_tuning_computes_the_single_process_metrics(
     if task == "question_answering":
         flags += ["--seq-length", "16"]  # contexts exceed the window: several per example
     assert main([*flags, "--save", str(tmp_path / "single")]) == 0
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
-        *("-m", "rapidformer", *flags, "--save", str(tmp_path / "ddp")),
-    ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "accumulation 2 = global batch 32" in run.stderr
+    said = launched(["--nproc-per-node", "2", *flags, "--save", str(tmp_path / "ddp")], capfd)
+    assert "accumulation 2 = global batch 32" in said
     single, ddp = _eval_records(tmp_path / "single")[-1], _eval_records(tmp_path / "ddp")[-1]
     assert single.keys() == ddp.keys()
     assert single["step"] == (12 if qa else 32)
@@ -261,8 +253,9 @@ def test_white_box_subclass_overrides_one_hook(models: dict[str, Path], tmp_path
     [("native", "bert"), ("deepspeed", "bert"), ("native", "llama"), ("native", "roberta")],
 )
 def test_zero3_fine_tuning_evaluates_uneven_shards_and_saves_the_whole_model(
-    backend: str, kind: str, models: dict[str, Path], tmp_path: Path
-) -> None:
+    backend: str, kind: str, models: dict[str, Path], tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     # 97 validation rows in micro-batches of 8: rank 0 runs 7 eval forwards, rank 1 six. Under
     # ZeRO-3 each forward all-gathers parameters, so rank 1 must join a seventh (discarded) one
     # or both hang. The saved model is gathered from the shards (DeepSpeed: its fp32 masters).
@@ -272,12 +265,7 @@ def test_zero3_fine_tuning_evaluates_uneven_shards_and_saves_the_whole_model(
     flags = _task_flags("sequence_classification", models[kind], data, steps=4)
     flags += ["--zero-3-memory-optimization", "--zero-backend", backend, "--eval-interval", "2"]
     assert main([*flags, "--save", str(tmp_path / "single")]) == 0
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"),
-        *("-m", "rapidformer", *flags, "--save", str(tmp_path / "sharded")),
-    ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=ENV)
-    assert run.returncode == 0, run.stderr[-3000:]
+    launched(["--nproc-per-node", "2", *flags, "--save", str(tmp_path / "sharded")], capfd)
     single, sharded = _eval_records(tmp_path / "single"), _eval_records(tmp_path / "sharded")
     assert [r["step"] for r in sharded] == [2, 4]
     for one, two in zip(single, sharded, strict=True):

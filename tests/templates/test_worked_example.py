@@ -1,6 +1,6 @@
-"""docs/finetuning.md's worked example, as written: a user's own small dataset (drawn afresh
-here, with another seed), a tiny model built offline, the documented command; it reaches the
-accuracy the page states."""
+"""docs/finetuning.md's worked examples, as written: a user's own small dataset (drawn afresh
+here, with another seed), a tiny model built offline, the documented commands; each reaches the
+result the page states (the classifier's accuracy; the chat model's five answers)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.trainers import ROOT
+import pytest
+
+from rapidformer.testing.chat import WHERE
+from tests.helpers.trainers import ROOT, run_cli
 
 PAGE = ROOT / "docs" / "finetuning.md"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -45,3 +48,27 @@ def test_the_worked_example_learns_a_fresh_dataset_of_its_shape(tmp_path: Path) 
     accuracy = [r["accuracy"] for r in records if r["kind"] == "eval"][-1]
     assert accuracy >= BOUND, accuracy
     assert (tmp_path / "runs/reviews/config.json").is_file()  # the model, for from_pretrained
+
+
+def test_the_chat_example_answers_by_its_datas_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands run in this process (python -c as code, rapidformer through its main),
+    from a working directory of their own, on conversations of another seed."""
+    (shell,) = [
+        block for block in _blocks("bash") if "tiny_chat_model('models/tiny-chat')" in block
+    ]
+    (talk,) = [block for block in _blocks("python") if block.startswith("# talk.py")]
+    assert "seed=0" in shell
+    monkeypatch.chdir(tmp_path)
+    for command in _commands(shell.replace("seed=0", "seed=2026")):
+        if command[0] == "python":
+            assert command[1] == "-c", command
+            exec(command[2], {})  # the page's own one-liner
+        else:
+            assert command[0] == "rapidformer" and run_cli(command[1:]) == 0, command
+    capsys.readouterr()
+    exec(talk, {})  # the page's own script
+    replies = capsys.readouterr().out.splitlines()
+    assert replies == [f"the {animal} is {WHERE[animal]}" for animal in WHERE], replies
+    assert "the cat is on the mat" in PAGE.read_text()
