@@ -29,7 +29,7 @@ def test_gpu_suite_dry_run_writes_every_section(tmp_path: Path) -> None:
         ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "--dry-run"],
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=540,  # under pytest's own 600
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -71,13 +71,16 @@ def adapters_section(dry: bool) -> dict[str, Any]:
 # ---- 7. packing ---------------------------------------------------------------------------
 def packing_section(dry: bool) -> dict[str, Any]:
     """``benchmarks/packing.py``'s three modes (padded to the longest, dynamic-shape buckets,
-    packed) on the Llama of 1.1B (tiny in a dry run), bf16, one epoch each from the same
+    packed) on the Llama of 1.1B (tiny and fp32 in a dry run), bf16, one epoch each from the same
     weights, in 2 data orders: learned tokens/s (medians) and each against padded and buckets
     (the targets: packed >= 2x padded, >= 1.3x buckets), peak memory, eval loss (mean)."""
     import packing_epoch as packing
     import transformers
 
     count, shape, orders = (32, LLAMA_TINY, 1) if dry else (1024, LLAMA_1B, 2)
+    # A dry run's CPU may have no bf16 units (20x slower than fp32 there): the code paths in
+    # fp32, the GPU's numbers in bf16.
+    precision = "fp32" if dry else "bf16"
     config = transformers.LlamaConfig(
         vocab_size=packing.VOCAB, max_position_embeddings=packing.SEQ, **shape
     )
@@ -87,7 +90,7 @@ def packing_section(dry: bool) -> dict[str, Any]:
         for mode in packing.MODES:
             result = packing.train_epoch(
                 packing.batches(mode, samples, seed), samples, held_out,
-                lambda: transformers.LlamaForCausalLM(config), {"precision": "bf16"},
+                lambda: transformers.LlamaForCausalLM(config), {"precision": precision},
                 on_start=reset_memory, per_sample_attention=mode == "packed",
             )  # fmt: skip
             result["peak_memory_mb"] = peak_mb(result.pop("device"))
