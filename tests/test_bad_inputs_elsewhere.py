@@ -16,7 +16,7 @@ import pytest
 
 from rapidformer import Finetuner, Pretrainer, fatal
 from rapidformer.checkpoint import find_checkpoint
-from rapidformer.cli import checked_trainer_class, load_trainer_class, main
+from rapidformer.cli import checked_trainer_class, load_trainer_class
 from rapidformer.config.loading import parse_args
 from rapidformer.errors import ConfigError
 from tests.helpers.bad_inputs import (
@@ -28,7 +28,7 @@ from tests.helpers.bad_inputs import (
     argv_of,
     build_inputs,
 )
-from tests.helpers.trainers import DETERMINISTIC_SCRIPT, LAUNCHER_VARIABLES
+from tests.helpers.trainers import DETERMINISTIC_SCRIPT, LAUNCHER_VARIABLES, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -176,17 +176,10 @@ def test_every_configuration_error_is_one_message_and_exit_2_on_two_ranks(
 
 
 def _in_process(argv: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """The command in this process: its exit code and what it wrote to stderr."""
+    """The command in this process, as from a shell (:func:`run_cli`): its exit code and
+    what it wrote to stderr."""
     capfd.readouterr()
-    # As from a shell: no launcher's variables left by an earlier test, and none of the
-    # launcher's own (it sets OMP_NUM_THREADS for its workers) left for a later one.
-    with mock.patch.dict(os.environ):
-        for name in LAUNCHER_VARIABLES:
-            os.environ.pop(name, None)
-        try:
-            code = main(argv)
-        except SystemExit as exit:  # argparse's own errors are not config errors
-            code = exit.code if isinstance(exit.code, int) else 1
+    code = run_cli(argv)
     return code, capfd.readouterr().err
 
 
