@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rapidformer import fatal
 from rapidformer.checkpoint import find_checkpoint
-from rapidformer.cli import main
+from rapidformer.cli import load_trainer_class, main
 from rapidformer.export import main as export_main
 from tests.helpers.bad_inputs import (
     CASES,
@@ -85,6 +86,14 @@ def test_debug_prints_the_traceback(inputs: Inputs, capsys: pytest.CaptureFixtur
     assert main([*argv, "--debug"]) == 1
     error = capsys.readouterr().err
     assert "Traceback (most recent call last)" in error and "no such table" in error
+    # --debug was that run's: the next run of the same process (a notebook's next cell, a
+    # script's) ends with the one message again. It used to stay on for the process.
+    template = load_trainer_class(argv[argv.index("--user-script") + 1])
+    with pytest.raises(ValueError, match="no such table") as raised:
+        template(argv=argv).fit()
+    assert fatal.handle_uncaught(raised.value) == 1
+    error = capsys.readouterr().err
+    assert "no such table" in error and "Traceback" not in error
 
 
 def test_the_data_file_checks_leave_parquet_alone(tmp_path: Path) -> None:

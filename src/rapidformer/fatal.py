@@ -45,8 +45,10 @@ _debug: list[bool] = [False]
 
 
 def set_debug(on: bool) -> None:
-    """``--debug`` of the run being set up: an uncaught error prints its traceback too."""
-    _debug[0] = _debug[0] or on
+    """``--debug`` of the run being set up: an uncaught error prints its traceback too. The
+    run being set up decides, not an earlier one of the same process (a notebook's or a test
+    suite's)."""
+    _debug[0] = on
 
 
 def debugging() -> bool:

@@ -18,6 +18,8 @@ from rapidformer.data.preprocess import build_parser, main, split_sentences
 from rapidformer.data.tokenizers import RapidTokenizer, build_tokenizer, train_tokenizer
 from rapidformer.errors import DataError
 
+pytestmark = pytest.mark.timeout(180)  # --workers 2 once hung here: a hang fails in 3 minutes
+
 WORDS_TEXT = (
     "the quick brown fox jumps over a lazy dog while data flows through every token of the "
     "model and training makes it learn café naïve résumé über zebra 42 1999 hello world"

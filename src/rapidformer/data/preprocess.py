@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from multiprocessing.pool import Pool
 
 import numpy as np
 
 from rapidformer.data.indexed import IndexedDatasetBuilder, best_dtype
 from rapidformer.data.tokenizers import TOKENIZER_TYPES, RapidTokenizer, build_tokenizer
+from rapidformer.data.worker_pool import ordered_map
 from rapidformer.errors import ConfigError, DataError, RapidformerError
 
 CHUNK_LINES = 256
@@ -130,7 +129,7 @@ class EncodedChunk:
 
 
 class Encoder:
-    """Tokenizes chunks of jsonl lines; one per process (see :func:`_init_worker`)."""
+    """Tokenizes chunks of jsonl lines; one per worker process (see :func:`_init_worker`)."""
 
     def __init__(self, options: EncoderOptions, tokenizer: RapidTokenizer | None = None) -> None:
         self.options = options
@@ -199,34 +198,16 @@ class Encoder:
         return out
 
 
-_WORKER: Encoder | None = None
+_WORKER: list[Encoder] = []
+"""The encoder of a worker process (:func:`_init_worker` builds it from the files)."""
 
 
 def _init_worker(options: EncoderOptions) -> None:
-    global _WORKER
-    # A forked worker inherits the parent's encoder (set just before the fork); a spawned one
-    # builds its own tokenizer from the files.
-    if _WORKER is None or _WORKER.options != options:
-        _WORKER = Encoder(options)
+    _WORKER[:] = [Encoder(options)]
 
 
 def _encode_in_worker(task: tuple[int, list[bytes]]) -> EncodedChunk:
-    assert _WORKER is not None
-    return _WORKER.encode_chunk(task)
-
-
-def _start_pool(workers: int, encoder: Encoder) -> Pool:
-    """A pool of ``workers`` processes, each with ``encoder`` (or an equal one)."""
-    global _WORKER
-    # fork where the platform has it: the workers start in milliseconds instead of importing
-    # torch again (``import rapidformer`` pulls it in), and inherit the parent's tokenizer.
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    _WORKER = encoder
-    try:
-        return context.Pool(workers, _init_worker, (encoder.options,))
-    finally:
-        _WORKER = None
+    return _WORKER[0].encode_chunk(task)
 
 
 def _chunks(path: str) -> Iterator[tuple[int, list[bytes]]]:
@@ -313,14 +294,15 @@ def preprocess(args: argparse.Namespace) -> PreprocessResult:
     lines = nbytes = 0
     start = time.perf_counter()
     next_log = args.log_interval
-    pool = None
+    if args.workers == 1:
+        encoded: Iterator[EncodedChunk] = map(
+            Encoder(options, tokenizer).encode_chunk, _chunks(args.input)
+        )
+    else:
+        encoded = ordered_map(
+            _encode_in_worker, _chunks(args.input), args.workers, _init_worker, (options,)
+        )
     try:
-        if args.workers == 1:
-            encoder = Encoder(options, tokenizer)
-            encoded: Iterator[EncodedChunk] = map(encoder.encode_chunk, _chunks(args.input))
-        else:
-            pool = _start_pool(args.workers, Encoder(options, tokenizer))
-            encoded = pool.imap(_encode_in_worker, _chunks(args.input))
         for chunk in encoded:
             for key, builder in builders.items():
                 counts = chunk.seqs_per_doc[key]
@@ -345,9 +327,8 @@ def preprocess(args: argparse.Namespace) -> PreprocessResult:
                 os.remove(path)
         raise
     finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        if isinstance(encoded, Generator):
+            encoded.close()  # the workers stop and exit, on success or failure
     _progress(lines, nbytes, start, final=True)
     return PreprocessResult(
         outputs=prefixes,

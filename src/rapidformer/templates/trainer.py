@@ -75,6 +75,7 @@ class Trainer(ABC):
         ``callback(kind, record)`` on rank 0 (``kind`` is train or eval; the record's names
         are metrics.jsonl's), for a tracker rapidformer does not ship."""
         report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
+        set_debug(False)  # until this run's flags say: a bad flag is no earlier run's --debug
         _check_step_hooks(type(self))
         parsed = config if config is not None else parse_args(argv)
         if report_to is not None:
