@@ -35,9 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slow tier is what the durations file measured at budget.SLOW_S or more."""
+    """The slow tier: what the durations file measured at budget.SLOW_S or more, and the
+    tests that share a module-scoped fixture with it (budget.slow_tier)."""
+    slow = budget.slow_tier({i.nodeid: budget.shared_fixtures(i) for i in items}, MEASURED)
     for item in items:
-        if budget.is_slow(item.nodeid, MEASURED):
+        if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
 
 
@@ -66,9 +68,10 @@ def _over_budget(item: pytest.Item, seconds: float) -> str:
             "neighbours, or list it in tests/helpers/budget.py's LONG with the reason"
         )
     fast_tier = item.config.getoption("markexpr") == "not slow"
-    if fast_tier and seconds > budget.SLOW_S * budget.BUSY:
+    with_setup = _seconds[item.nodeid]  # its set-up (a module fixture's, say) and its call
+    if fast_tier and with_setup > budget.SLOW_S * budget.BUSY:
         return (
-            f"{item.nodeid} took {seconds:.0f} s in the fast tier: it is slow (at least "
+            f"{item.nodeid} took {with_setup:.0f} s in the fast tier: it is slow (at least "
             f"{budget.SLOW_S:.0f} s). Fix: make durations (tests/durations.json), which "
             "moves it to the slow tier"
         )

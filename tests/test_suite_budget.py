@@ -5,6 +5,8 @@ slow by hand."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,15 +34,29 @@ def test_the_measured_slow_tests_are_marked_and_the_fast_ones_are_not(
     request: pytest.FixtureRequest,
 ) -> None:
     measured = budget.measured()
-    for item in request.session.items:
+    items = request.session.items
+    tier = budget.slow_tier({item.nodeid: budget.shared_fixtures(item) for item in items}, measured)
+    for item in items:
         slow = item.get_closest_marker("slow") is not None
-        assert slow == budget.is_slow(item.nodeid, measured), item.nodeid
+        assert slow == (item.nodeid in tier), item.nodeid
+        assert not budget.is_slow(item.nodeid, measured) or slow, item.nodeid
 
 
 def test_the_fast_tier_fits_five_minutes_and_reaches_every_package() -> None:
+    """What ``make test-fast`` collects (the whole suite collected in a process of its own),
+    measured."""
     measured = budget.measured()
     assert measured, "no tests/durations.json: make durations writes it"
-    fast = {nodeid: s for nodeid, s in measured.items() if s < budget.SLOW_S}
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "not slow", str(TESTS)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=TESTS.parent,
+        timeout=300,
+    ).stdout.splitlines()
+    fast = {line: measured.get(line, 0.0) for line in listed if "::" in line}
+    assert len(fast) > 500, len(fast)  # the collection worked
     assert sum(fast.values()) <= FAST_TIER_S, sum(fast.values())
     packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
     packages -= {"compat", "testing"} | {p for p in packages if not (TESTS / p).is_dir()}
@@ -64,3 +80,7 @@ def test_the_budget_guard_fails_what_is_over_it() -> None:
     assert budget.is_slow("a::b", {"a::b": budget.SLOW_S})
     assert not budget.is_slow("a::b", {"a::b": budget.SLOW_S - 0.01})
     assert not budget.is_slow("new::test", {})  # unmeasured: the fast tier's guard times it
+    # A test sharing a module fixture with a slow one goes with it; one with no fixture stays.
+    shared = {"m::a": frozenset({"m::f"}), "m::b": frozenset({"m::f"}), "m::c": frozenset()}
+    assert budget.slow_tier(shared, {"m::a": budget.SLOW_S}) == {"m::a", "m::b"}
+    assert budget.slow_tier(shared, {"m::c": budget.SLOW_S}) == {"m::c"}

@@ -2,22 +2,26 @@
 
 * **Two tiers from measured times.** ``tests/durations.json`` holds each test's time on a
   two-core machine (``make durations`` writes it from a full run). A test measured at
-  :data:`SLOW_S` or more is marked ``slow`` when collected, so ``make test-fast`` (``-m "not
-  slow"``) leaves it out; no test carries the marker by hand.
+  :data:`SLOW_S` or more is marked ``slow`` when collected, and so is every test that shares a
+  module-scoped fixture with it (:func:`slow_tier`), so ``make test-fast`` (``-m "not slow"``)
+  leaves them out; no test carries the marker by hand.
 * **No test past a minute, and the whole within budget.** The durations file holds no test
   over :data:`LIMIT_S` unless :data:`LONG` lists it with the reason it needs the time, and its
   tests add up to at most :data:`SUITE_S` (tests/test_suite_budget.py checks the file).
 * **Live guards, with room for a busy machine.** In any run, a test past :data:`BUSY` x
-  :data:`LIMIT_S` fails (unless in :data:`LONG`), and in a run of the fast tier a test past
-  :data:`BUSY` x :data:`SLOW_S` fails, naming its time and the file to refresh (a new test is
-  not yet in the durations file). The slack is measured, not hoped for: CI's shared machines
-  have run the same suite 1.7 times slower than two quiet cores (73 against 42 minutes).
+  :data:`LIMIT_S` fails (unless in :data:`LONG`), and in a run of the fast tier a test whose
+  set-up and call took past :data:`BUSY` x :data:`SLOW_S` fails, naming its time and the file
+  to refresh (a new test is not yet in the durations file). The slack is measured, not
+  hoped for: CI's shared machines have run the same suite 1.7 times slower than two quiet
+  cores (73 against 42 minutes).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 DURATIONS = Path(__file__).parents[1] / "durations.json"
 SLOW_S = 5.0
@@ -65,3 +69,28 @@ def measured() -> dict[str, float]:
 
 def is_slow(nodeid: str, durations: dict[str, float]) -> bool:
     return durations.get(nodeid, 0.0) >= SLOW_S
+
+
+def slow_tier(shared: dict[str, frozenset[str]], durations: dict[str, float]) -> set[str]:
+    """The tests ``make test-fast`` leaves out, from each test's shared fixtures (node id ->
+    the module-scoped fixtures it uses): those measured at :data:`SLOW_S` or more, and every
+    test that shares a fixture with one of them. A shared fixture's setup is measured in the
+    first test that uses it: left out alone, a slow first test would hand that setup to the
+    next test, a fast one, and the fast tier would pay it unmeasured."""
+    slow = {nodeid for nodeid in shared if is_slow(nodeid, durations)}
+    fixtures = frozenset().union(*(shared[nodeid] for nodeid in slow))
+    return slow | {nodeid for nodeid, used in shared.items() if used & fixtures}
+
+
+def shared_fixtures(item: pytest.Item) -> frozenset[str]:
+    """The module-scoped (or wider, but per module) fixtures ``item`` uses, each named by its
+    module and name: one instance serves the module's tests that use it."""
+    module = item.nodeid.split("::")[0]
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:  # not a Python test function (a doctest, say)
+        return frozenset()
+    return frozenset(
+        f"{module}::{name}"
+        for name, defs in definitions.name2fixturedefs.items()
+        if defs[-1].scope in ("class", "module", "package")
+    )
