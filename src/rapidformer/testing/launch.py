@@ -1,4 +1,13 @@
-"""Run a function on several CPU ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_*)."""
+"""Run a function on several CPU ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_*).
+
+The ranks are forked from multiprocessing's fork server, which imported torch and rapidformer
+once (:data:`PRELOAD`): a 2-rank launch starts in 0.05 s instead of the 2.8 s two fresh
+interpreters take to import torch on two cores, and a test suite launches some 150 times. Each
+rank takes the caller's environment as it is at the launch (a forked rank would otherwise have
+the server's, from its start) and the caller's thread count where ``OMP_NUM_THREADS`` sets it.
+Modules the server did not import (transformers, the caller's own) are imported by each rank
+with that environment, as a fresh interpreter would.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,14 +29,30 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+PRELOAD = (
+    "torch",
+    "pytest",
+    "rapidformer.testing.launch",
+    "rapidformer.templates",
+    "rapidformer.cli",
+)
+"""What the fork server imports once for every rank it starts: nothing that reads the
+environment when imported (transformers and huggingface_hub do: each rank imports them)."""
+
+
 def _worker(
     rank: int,
     world_size: int,
     port: int,
     finished: Any,
+    environ: dict[str, str],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    if environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -45,16 +71,20 @@ def _worker(
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Call ``fn(*args)`` in ``world_size`` fresh processes joined by env:// rendezvous.
+    """Call ``fn(*args)`` in ``world_size`` new processes joined by env:// rendezvous.
 
     ``fn`` must be importable (a module-level function) and should write its results to files;
     an exception on any rank is re-raised here.
     """
-    finished = mp.get_context("spawn").Barrier(world_size)
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(list(PRELOAD))  # taken when the server starts (once)
+    finished = context.Barrier(world_size)
     mp.start_processes(
         _worker,
-        args=(world_size, _free_port(), finished, fn, args),
+        args=(world_size, _free_port(), finished, dict(os.environ), fn, args),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method=method,
     )
