@@ -70,10 +70,9 @@ class Trainer(ABC):
         report_to: str | Sequence[str] | None = None,
         callbacks: Sequence[Callable[[str, dict[str, Any]], None]] = (),
     ) -> None:
-        """``report_to``: the trackers (``--report-to``'s names, as a list or its comma text),
-        in place of the config's. ``callbacks``: functions called with every logged row,
-        ``callback(kind, record)`` on rank 0 (``kind`` is train or eval; the record's names
-        are metrics.jsonl's), for a tracker rapidformer does not ship."""
+        """``report_to``: the trackers (``--report-to``'s names, a list or comma text) in
+        place of the config's. ``callbacks``: ``callback(kind, record)`` for every logged row
+        on rank 0 (kind: train or eval; metrics.jsonl's names), for another tracker."""
         report_uncaught()  # in a script, an error that ends the run is one message, as the CLI's
         set_debug(False)  # until this run's flags say: a bad flag is no earlier run's --debug
         _check_step_hooks(type(self))

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -40,19 +42,47 @@ PRELOAD = (
 environment when imported (transformers and huggingface_hub do: each rank imports them)."""
 
 
+class _Caller:
+    """What a rank takes from the process that launched it, as a spawned one would: the
+    environment at the launch, and stdout and stderr (a fork server's rank would otherwise
+    write to the server's, which may be a test's long-closed capture file)."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Runs while the rank's process object is pickled for the fork server, the one time
+        # the server can be handed file descriptors.
+        streams = tuple((fd, reduction.DupFd(fd)) for fd in (1, 2))
+        return (_Inherited, (self.environ, streams))
+
+
+class _Inherited:
+    def __init__(self, environ: dict[str, str], streams: tuple[tuple[int, Any], ...]) -> None:
+        self.environ = environ
+        self.streams = streams
+
+    def adopt(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, handle in self.streams:
+            os.dup2(handle.detach(), fd)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        if self.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(self.environ["OMP_NUM_THREADS"]))
+
+
 def _worker(
     rank: int,
     world_size: int,
     port: int,
     finished: Any,
-    environ: dict[str, str],
+    caller: _Inherited,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
-    if environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    caller.adopt()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -83,7 +113,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     finished = context.Barrier(world_size)
     mp.start_processes(
         _worker,
-        args=(world_size, _free_port(), finished, dict(os.environ), fn, args),
+        args=(world_size, _free_port(), finished, _Caller(), fn, args),
         nprocs=world_size,
         join=True,
         start_method=method,
