@@ -19,7 +19,7 @@ from rapidformer.labels import IGNORE_INDEX
 from rapidformer.models.gpt import GPTConfig, GPTModel
 from rapidformer.templates.families.gpt import document_violations
 from rapidformer.testing.corpus import build_pretraining_data, synthetic_documents
-from tests.helpers.trainers import read_losses, run_cli
+from tests.helpers.trainers import launched, read_losses
 
 EOD, TOLERANCE = 0, 1e-5
 ALL = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
@@ -132,7 +132,7 @@ def test_the_document_flags_on_two_tensor_or_pipeline_parallel_ranks_match_one_p
     for name, layout in (("tp2", "--tensor-model-parallel-size"),
                          ("pp2", "--pipeline-model-parallel-size")):  # fmt: skip
         two_ranks = ["--nproc-per-node", "2", *flags, layout, "2", "--save", str(tmp_path / name)]
-        assert run_cli(two_ranks) == 0  # the workers' stderr is captured
+        launched(two_ranks)
         got = _losses(tmp_path / name)
         assert got.keys() == one.keys() and len(one) == 8, (one, got)  # 6 train, 2 eval
         gap = max(abs(one[key] - got[key]) for key in one)

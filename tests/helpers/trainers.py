@@ -11,6 +11,8 @@ from unittest import mock
 from rapidformer import parse_args
 from rapidformer.cli import load_trainer_class, main
 from rapidformer.templates.trainer import Trainer
+from rapidformer.testing import run_distributed
+from rapidformer.workers import split_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_tiny_transformer.py"
@@ -64,15 +66,33 @@ def run_cli(argv: list[str], **env: str) -> int:
             return exit.code if isinstance(exit.code, int) else 1
 
 
-def launched(argv: list[str], capfd: Any) -> str:
-    """``rapidformer ARGV`` (a ``--nproc-per-node N`` launch) through :func:`run_cli`,
-    asserted to exit 0: what it and its workers wrote to stderr (``capfd``: pytest's
-    fd-level capture, which the workers' output reaches)."""
-    capfd.readouterr()
-    code = run_cli(argv)
-    said = capfd.readouterr().err
-    assert code == 0, said[-3000:]
-    return str(said)
+def launched(argv: list[str], capfd: Any = None) -> str:
+    """``rapidformer --nproc-per-node N ARGV`` as its workers run it: ``rapidformer.cli.main``
+    on N ranks forked from the test process's fork server (:func:`run_distributed`, one
+    thread each), asserted to exit 0 on every rank. Returns what they wrote to stderr
+    (``capfd``: pytest's fd-level capture; without it "", and the output stays the test's).
+    For tests whose point is a multi-rank run's numbers: two fresh interpreters and torchrun's
+    agent would add some 5 s to each. The agent's own work (flags checked once, exit codes,
+    signals) is tested through the real command in tests/test_workers.py and
+    tests/test_bad_inputs_elsewhere.py."""
+    nproc, rest = split_launch(argv)
+    assert nproc is not None, "launched() runs a --nproc-per-node command"
+    if capfd is not None:
+        capfd.readouterr()
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        try:
+            run_distributed(_rank_of_the_command, nproc, rest)
+        except Exception as failed:  # noqa: BLE001 (a rank's failure, with what ranks said)
+            said = "" if capfd is None else capfd.readouterr().err
+            raise AssertionError(f"{failed}\nthe ranks said:\n{said[-3000:]}") from None
+    return "" if capfd is None else str(capfd.readouterr().err)
+
+
+def _rank_of_the_command(argv: list[str]) -> None:
+    code = main(argv)
+    assert code == 0, f"rank {os.environ['RANK']}: rapidformer exited {code}"
 
 
 def tiny_trainer(*flags: str, dropout: float = 0.0, **options: Any) -> Trainer:
