@@ -1,14 +1,11 @@
 """Black-box pretraining of the built-in BERT under tensor x pipeline parallelism (tp2 x pp2
-under torchrun) against one process: the padding mask crosses the stages, the MLM loss is
+on 4 ranks) against one process: the padding mask crosses the stages, the MLM loss is
 vocab-parallel, evaluation and its metrics run through the stages, and the run's sharded
 checkpoint exports to one Hugging Face directory."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from rapidformer import parse_args
 from rapidformer.export import export_checkpoint
 from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.testing.corpus import PretrainingData, build_pretraining_data, synthetic_documents
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import launched, read_losses
 
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -41,28 +38,26 @@ def _evaluation(save: Path) -> dict[str, float]:
 
 
 @pytest.mark.distributed
-def test_bert_under_tp2_pp2_matches_one_process(bert_data: PretrainingData, tmp_path: Path) -> None:
+def test_bert_under_tp2_pp2_matches_one_process(
+    bert_data: PretrainingData, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     single = Pretrainer(parse_args([*bert_data.flags(), *FLAGS, "--save", str(tmp_path / "one")]))
     try:
         single.fit()
     finally:
         single.engine.close()
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-        "-m", "rapidformer", "--task", "pretraining", *bert_data.flags(), *FLAGS,
+    said = launched([
+        "--nproc-per-node", "4", "--task", "pretraining", *bert_data.flags(), *FLAGS,
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--save", str(tmp_path / "3d"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode == 0, run.stderr[-4000:]
+    ], capfd)  # fmt: skip
     one, three_d = read_losses(tmp_path / "one"), read_losses(tmp_path / "3d")
     assert one.keys() == three_d.keys() == set(range(1, 7))
     assert max(abs(one[s] - three_d[s]) for s in one) <= 1e-5
     evaluated, reference = _evaluation(tmp_path / "3d"), _evaluation(tmp_path / "one")
     assert abs(evaluated["eval_loss"] - reference["eval_loss"]) <= 1e-5
     assert evaluated["mlm_accuracy"] == pytest.approx(reference["mlm_accuracy"], abs=1e-6)
-    assert "pipeline parallel" in run.stderr and "vocab-parallel loss" in run.stderr
+    assert "pipeline parallel" in said and "vocab-parallel loss" in said
     # Export in one process from the tp2 x pp2 shards: the weights of the one-process run.
     exported = {}
     for name in ("one", "3d"):

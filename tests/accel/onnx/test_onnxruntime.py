@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +18,7 @@ from rapidformer.engine import validate
 from rapidformer.errors import ConfigError
 from rapidformer.templates.pretrainer import Pretrainer
 from rapidformer.templates.trainer import Trainer
-from tests.helpers.trainers import read_losses
+from tests.helpers.trainers import launched, read_losses
 
 STEPS = 20
 PARITY_RTOL = 1e-5
@@ -157,7 +154,9 @@ def test_a_resumed_run_continues_the_same_losses(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_two_ranks_match_one_process_with_accumulation(tmp_path: Path) -> None:
+def test_two_ranks_match_one_process_with_accumulation(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """Data parallel: each rank runs ORT, the gradients are averaged over the ranks before the
     step (DDP's hooks stay idle). 2 ranks x micro-batch 4 must give the losses of one process
     accumulating 2 micro-batches of 4."""
@@ -175,18 +174,15 @@ def test_two_ranks_match_one_process_with_accumulation(tmp_path: Path) -> None:
         *("--eval-iters", "2", *ORT),
     ]
     _fit(Pretrainer(parse_args([*flags, "--save", str(tmp_path / "single")])))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "rapidformer", "--task", "pretraining", *flags, "--save", str(tmp_path / "ddp"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    said = launched(
+        ["--nproc-per-node", "2", "--task", "pretraining", *flags, "--save", str(tmp_path / "ddp")],
+        capfd,
+    )
     single, ddp = read_losses(tmp_path / "single"), read_losses(tmp_path / "ddp")
     assert single.keys() == ddp.keys() == set(range(1, 7))
     assert max(abs(single[k] - ddp[k]) / single[k] for k in single) <= PARITY_RTOL, (single, ddp)
-    assert "gradients averaged over 2 data-parallel ranks by rapidformer" in run.stderr
-    assert "DistributedDataParallel" not in run.stderr  # no DDP around the exported module
+    assert "gradients averaged over 2 data-parallel ranks by rapidformer" in said
+    assert "DistributedDataParallel" not in said  # no DDP around the exported module
 
 
 def test_dropout_trains_like_eager_and_is_seeded(tmp_path: Path) -> None:
