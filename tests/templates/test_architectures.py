@@ -1,8 +1,9 @@
 """Hugging Face breadth: ten families (BERT, RoBERTa, DeBERTa-v2, ModernBERT, GPT-2, Llama,
 Qwen2, Mistral, T5, BART), built tiny and offline, through every fine-tuning task each supports:
-each learns beyond chance and its saved model reloads with transformers predicting the same;
-each task a family does not support is refused before anything is built, naming what it does
-support. docs/finetuning.md has the measured table (benchmarks/hf_architectures.py)."""
+each saved model reloads with transformers predicting the same, and each task learns beyond
+chance on one family of each kind (:data:`LEARNERS`); each task a family does not support is
+refused before anything is built, naming what it does support. docs/finetuning.md has the
+measured table (benchmarks/hf_architectures.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ EXPECTED = {
     "bart": "sequence_classification question_answering masked_lm seq2seq_lm",
 }
 CELLS = [(kind, task) for kind in ARCHITECTURES for task in EXPECTED[kind].split()]
+LEARNERS = ("bert", "llama", "t5")
+"""The families each task must learn beyond chance on, one of each kind (encoder, decoder,
+encoder-decoder): rapidformer's code differs by kind and by task, not by family within a
+kind. Every other cell trains :data:`SHORT_STEPS` steps and checks what is the family's own:
+its head, its save and its reload by transformers. The learning of every cell is measured by
+benchmarks/hf_architectures.py (docs/results/hf_architectures.md)."""
+SHORT_STEPS = 4
 REFUSED = [(kind, task) for kind in ARCHITECTURES for task in TASKS if (kind, task) not in CELLS]
 
 
@@ -59,16 +67,19 @@ def test_each_family_supports_the_expected_tasks(models: dict[str, Path]) -> Non
 
 
 @pytest.mark.parametrize(("kind", "task"), CELLS, ids=[f"{k}-{t}" for k, t in CELLS])
-def test_family_learns_the_task_and_reloads_with_transformers(
+def test_family_fine_tunes_the_task_and_reloads_with_transformers(
     kind: str, task: str, models: dict[str, Path], datasets: dict[str, Path], tmp_path: Path
 ) -> None:
-    result = run_cell(kind, task, models[kind], datasets[task], tmp_path / "out")
+    learns = kind in LEARNERS
+    steps = None if learns else SHORT_STEPS
+    result = run_cell(kind, task, models[kind], datasets[task], tmp_path / "out", steps)
     print(
         f"{kind} {task}: {result.model_class} {result.metric} {result.value:.3f} "
         f"(chance {result.chance:.3g}, bound {result.bound:.3g}), reload max |diff| "
-        f"{result.reload_max_diff:.1e}, {result.seconds:.1f} s"
+        f"{result.reload_max_diff:.1e}, {result.seconds:.1f} s, {result.steps} steps"
     )
-    assert result.learned, result
+    assert result.learned or not learns, result
+    assert result.steps == SHORT_STEPS or learns, result
     assert result.reload_same_predictions and result.reload_max_diff <= 1e-5, result
     if task == "causal_lm" and "masked_lm" in EXPECTED[kind]:
         # An encoder fine-tuned as a causal LM must attend causally (else it reads its targets).

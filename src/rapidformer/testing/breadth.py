@@ -97,15 +97,24 @@ class CellResult:
         return self.value > self.bound
 
 
-def run_cell(architecture: str, task: str, model: Path, data: Path, save: Path) -> CellResult:
-    """Fine-tune the model in ``model`` for ``task`` on ``data``, save to ``save``, reload."""
+def run_cell(
+    architecture: str, task: str, model: Path, data: Path, save: Path, steps: int | None = None
+) -> CellResult:
+    """Fine-tune the model in ``model`` for ``task`` on ``data``, save to ``save``, reload.
+    ``steps``: that many steps in place of the case's length (a cell that checks the save and
+    reload, not the learning)."""
     from rapidformer import Finetuner, parse_args
 
     case = CASES[task]
+    length = (
+        list(case.flags)
+        if steps is None
+        else [*_without_length(case.flags), "--train-iters", str(steps)]
+    )
     flags = [
         *("--task", task, "--pretrained-model-name-or-path", str(model), "--data-dir", str(data)),
         *COMMON,
-        *case.flags,
+        *length,
         *("--eval-interval", "100000", "--save", str(save)),
     ]
     started = time.perf_counter()
@@ -134,6 +143,15 @@ def run_cell(architecture: str, task: str, model: Path, data: Path, save: Path) 
         seconds=seconds,
         steps=_steps(save),
     )
+
+
+def _without_length(flags: tuple[str, ...]) -> list[str]:
+    """``flags`` less its run length (``--epochs N``, ``--train-iters N``)."""
+    kept: list[str] = []
+    for name, value in zip(flags[::2], flags[1::2], strict=True):
+        if name not in ("--epochs", "--train-iters"):
+            kept += [name, value]
+    return kept
 
 
 def reload_gap(trainer: Any, save: Path, samples: int = 8) -> tuple[bool, float]:
