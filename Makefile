@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast durations test-gpu gpu-wheels lint format docs docs-site bench clean
+.PHONY: install demo test test-fast coverage durations test-gpu gpu-wheels lint format docs docs-site bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test: $(STAMP) lint docs-site
 # The edit loop's tier, under 5 minutes: every test measured under 5 s in tests/durations.json.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=10
+
+# Line and branch coverage of src/ over the whole suite (pyproject's [tool.coverage.run]).
+coverage: $(STAMP)
+	$(PY) -m pytest -q --cov=rapidformer --cov-report=term:skip-covered --cov-report=json:coverage.json
 
 # Measure every test again (a full run) into tests/durations.json, which sets the tiers.
 durations: $(STAMP)
