@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -46,3 +48,26 @@ def test_a_left_group_outlives_the_ddp_model_that_used_it(tmp_path: Path) -> Non
     before, kept, after = json.loads((tmp_path / "workers.json").read_text())
     # (the default group's own workers outlive it in torch 2.13: not what this checks)
     assert kept == before and after < kept, (before, kept, after)
+
+
+def _leave_at_different_speeds(out: str) -> None:
+    process_group.ensure_process_group(torch.device("cpu"))
+    rank = dist.get_rank()
+    real = dist.destroy_process_group
+
+    def slow_to_tear_down() -> None:
+        real()
+        time.sleep(1.0)  # rank 1 is still tearing its group down
+        Path(out, "rank1_down").write_text(repr(time.time()))
+
+    with mock.patch.object(dist, "destroy_process_group", slow_to_tear_down if rank else real):
+        process_group.destroy_process_group()
+    Path(out, f"rank{rank}_goes_on").write_text(repr(time.time()))
+
+
+def test_no_rank_goes_on_before_every_rank_has_torn_its_group_down(tmp_path: Path) -> None:
+    """A rank whose process exited while another was still tearing down aborted that one
+    (exit -6, "terminate called without an active exception") after a finished run."""
+    run_distributed(_leave_at_different_speeds, 2, str(tmp_path))
+    down = float((tmp_path / "rank1_down").read_text())
+    assert float((tmp_path / "rank0_goes_on").read_text()) >= down

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,17 +106,43 @@ def ensure_process_group(device: torch.device) -> None:
         dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
 
 
+LEAVE_WAIT_S = 30.0
+"""How long a rank waits for the others to have left the group before it goes on."""
+_groups_left = [0]
+
+
 def destroy_process_group() -> None:
-    """Leave the job's process group, once every rank is done with it (rank 0 hosts the store:
-    no rank may tear it down while another still uses it)."""
+    """Leave the job's process group, once every rank is done with it, and go on once every
+    rank has torn its group down. A rank still tearing down when another's process exited
+    (closing its gloo connections, or rank 0's store) aborted ("terminate called without an
+    active exception", exit -6) after a run that had finished and saved."""
     global _broken
     if not dist.is_initialized():
         return
+    store = None
     if dist.get_world_size() > 1 and not _broken:
         dist.barrier()
+        # Held past the group's end, so that the ranks can still count themselves out.
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
     retire_groups()
     dist.destroy_process_group()
     _broken = False
+    _groups_left[0] += 1  # the same on every rank: each leaves the same groups
+    if store is not None:
+        _all_out(store, f"rapidformer/left/{_groups_left[0]}", world)
+
+
+def _all_out(store: dist.Store, key: str, world: int) -> None:
+    """Count this rank out under ``key``; wait (at most :data:`LEAVE_WAIT_S`) for all to be."""
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    try:
+        left = store.add(key, 1)
+        while left < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = store.add(key, 0)
+    except RuntimeError:  # the store went with a rank that was done: so is everyone
+        return
 
 
 # Groups this process has left, kept while anything else still holds them. A gloo group's
