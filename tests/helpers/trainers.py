@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -53,13 +55,21 @@ def shell_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+@contextmanager
+def _as_from_a_shell(**env: str) -> Iterator[None]:
+    """This process's environment as a shell gives a command (no launcher's variables, one
+    thread per rank, ``env`` added), restored afterwards."""
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", **env}):
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+        yield
+
+
 def run_cli(argv: list[str], **env: str) -> int:
     """``rapidformer ARGV`` in this process, as from a shell (no launcher's variables; one
     thread per rank; ``env`` added): its exit code. With ``--nproc-per-node N`` the launcher
     still spawns N worker processes, so a multi-rank run costs no third interpreter."""
-    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", **env}):
-        for name in LAUNCHER_VARIABLES:
-            os.environ.pop(name, None)
+    with _as_from_a_shell(**env):
         try:
             return main(argv)
         except SystemExit as exit:  # argparse's own errors
@@ -79,9 +89,7 @@ def launched(argv: list[str], capfd: Any = None) -> str:
     assert nproc is not None, "launched() runs a --nproc-per-node command"
     if capfd is not None:
         capfd.readouterr()
-    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
-        for name in LAUNCHER_VARIABLES:
-            os.environ.pop(name, None)
+    with _as_from_a_shell():
         try:
             run_distributed(_rank_of_the_command, nproc, rest)
         except Exception as failed:  # noqa: BLE001 (a rank's failure, with what ranks said)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rapidformer.data.worker_pool import start_method
 from rapidformer.distributed.process_group import retire_groups
 
 
@@ -106,7 +107,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     ``fn`` must be importable (a module-level function) and should write its results to files;
     an exception on any rank is re-raised here.
     """
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    method = start_method()
     context = mp.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(list(PRELOAD))  # taken when the server starts (once)
